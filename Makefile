@@ -27,3 +27,36 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .jax_cache .pytest_cache *.egg-info
+
+# Regenerates benchmarks/results/ (about 1.5 h on 2 cores; the MaxText comparison installs MaxText
+# in its own venv under ~/.cache/meshtron-peers on first use): the measured peak; tokens/s and MFU
+# of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate, BENCH_ROUNDS
+# times); compile time of 2 vs 32 layers; the layout sweep and its plots; meshtron vs MaxText.
+BENCH_ROUNDS ?= 2
+RESULTS := benchmarks/results
+.PHONY: bench
+bench: $(STAMP)
+	mkdir -p $(RESULTS)
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/peak.py > $(RESULTS)/peak.jsonl
+	rm -f $(RESULTS)/train_step.jsonl $(RESULTS)/compile_scaling.jsonl $(RESULTS)/compare.jsonl
+	for round in $$(seq $(BENCH_ROUNDS)); do for model in tiny 100m; do \
+	  for layout in "" fsdp=8 fsdp=4,tensor=2; do \
+	    $(BIN)/python benchmarks/train_step.py --model=$$model --layout=$$layout --remat=none \
+	      --steps=8 --warmup=2 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
+	      >> $(RESULTS)/train_step.jsonl || exit 1; \
+	done; done; done
+	for round in $$(seq $(BENCH_ROUNDS)); do for layers in 2 32; do \
+	  $(BIN)/python benchmarks/train_step.py --model=100m --layers=$$layers --steps=0 \
+	    --peak_file=$(RESULTS)/peak.jsonl \
+	    --label=round$$round >> $(RESULTS)/compile_scaling.jsonl || exit 1; \
+	done; done
+	$(BIN)/python benchmarks/sweep.py --out $(RESULTS)/sweep.csv
+	$(BIN)/python benchmarks/plot_sweep.py --csv $(RESULTS)/sweep.csv --out_dir $(RESULTS)
+	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config tiny:single \
+	  --config tiny:fsdp=8 --config tiny:fsdp=4,tensor=2 --steps 10 --warmup 3 \
+	  --out $(RESULTS)/compare.jsonl
+	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config 100m:single \
+	  --config 100m:fsdp=8 --config 100m:fsdp=4,tensor=2 --steps 4 --warmup 2 \
+	  --out $(RESULTS)/compare.jsonl
+	$(BIN)/python benchmarks/compare.py --summarize $(RESULTS)/compare.jsonl \
+	  > $(RESULTS)/compare_summary.jsonl

@@ -3,11 +3,13 @@
 import os
 import runpy
 
-from configs import llama
+from configs import llama, moe
 from trainer.config import TrainConfig
 
 _PRESETS = {"debug": llama.debug,
-            **{name: (lambda n=name: llama.large(n)) for name in llama.MODELS if name != "debug"}}
+            **{name: (lambda n=name: llama.large(n)) for name in llama.MODELS if name != "debug"},
+            "debug_moe": moe.debug_moe,
+            **{name: (lambda n=name: moe.large(n)) for name in moe.MODELS if name != "debug_moe"}}
 
 
 def names() -> list[str]:

@@ -1,13 +1,14 @@
 """Grouped-query self-attention: projections, RoPE, logical constraints, the kernel call."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import kernels
 from models.config import ModelConfig
 from models.layers import Einsum
 from models.rope import apply_rope, inverse_frequencies
-from sharding import constrain, shard_map_logical
+from sharding import constrain, context_attention, sequence_axes, shard_map_logical
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -29,7 +30,8 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h, k, dh = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
+              fp8=cfg.fp8 if cfg.fp8.applies_to("attention") else None)
     self.q = Einsum((d, h, dh), ("embed", "heads", "head_dim"), (0,), **kw)
     self.k = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
     self.v = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
@@ -38,6 +40,7 @@ class Attention(nnx.Module):
     self.rope = (dh, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.impl = cfg.attention_impl
+    self.context_impl = cfg.context_impl
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL) -> jax.Array:
     q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
@@ -46,7 +49,12 @@ class Attention(nnx.Module):
     inv_freq = inverse_frequencies(*self.rope)
     q = apply_rope(q, positions_BL, inv_freq)
     k = apply_rope(k, positions_BL, inv_freq)
-    if self.impl == "pallas_flash":
+    if sequence_axes():  # context parallelism: each device holds a part of the sequence
+      kernel = (kernels.ring_attention if self.context_impl == "ring"
+                else kernels.allgather_attention)
+      segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
+      out = context_attention(kernel, q, k, v, positions_BL, segments)
+    elif self.impl == "pallas_flash":
       out = _flash_per_device(q, k, v, segment_ids_BL)
     else:
       out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=self.impl)

@@ -1,11 +1,102 @@
-"""ModelConfig: the Llama architecture's numbers, derived sizes, parameter and FLOP counts."""
+"""ModelConfig and MoEConfig: the architecture's numbers, derived sizes, parameter and FLOP counts."""
 
 import dataclasses
 
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas_flash")
 LOSS_IMPLS = ("dense", "chunked")
 REMAT_POLICIES = ("none", "full", "selective")
+CONTEXT_IMPLS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
+ROUTERS = ("softmax", "sigmoid")
+DISPATCHES = ("dropping", "dropless")
+EXCHANGES = ("auto", "padded", "ragged")
+FP8_RECIPES = ("delayed",)
+# Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
+# a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
+FP8_TARGETS = ("attention", "mlp", "experts", "head")
+
+
+@dataclasses.dataclass
+class Fp8Config:
+  """fp8 matmuls with per-tensor delayed scaling (models/fp8.py), off by default.
+
+  Operands are e4m3 forward, output gradients e5m2. Each fp8 projection keeps an amax history of
+  `amax_history` steps for its input, weight and output gradient (in the params, so in the train
+  state and checkpoints); a tensor is scaled by fmax / max(history) / 2^margin before the cast.
+  """
+
+  enabled: bool = False
+  recipe: str = "delayed"
+  amax_history: int = 16
+  margin: int = 0
+  targets: str = "attention,mlp,experts"  # comma-separated subset of FP8_TARGETS
+
+  def applies_to(self, target: str) -> bool:
+    return self.enabled and target in self.targets.split(",")
+
+  def validate(self) -> None:
+    """Raises ValueError with a one-line message for a bad fp8 setting."""
+    if self.recipe not in FP8_RECIPES:
+      raise ValueError(f"model.fp8.recipe={self.recipe!r} is not one of {FP8_RECIPES}")
+    if self.amax_history <= 0 or self.margin < 0:
+      raise ValueError(f"model.fp8.amax_history must be positive and model.fp8.margin >= 0, got"
+                       f" {self.amax_history} and {self.margin}")
+    unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
+    if unknown:
+      raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")
+
+
+@dataclasses.dataclass
+class MoEConfig:
+  """Mixture-of-experts feed-forward for the layers after `first_dense_layers` (models/moe.py).
+
+  Routers: "softmax" (Mixtral: softmax over the experts, top-k, top-k weights renormalized when
+  k > 1; Switch for k = 1) or "sigmoid" (DeepSeek-V3: sigmoid scores, top-k weights normalized to
+  sum 1, times `routed_scaling`). With `bias_update_rate` > 0 each layer has a per-expert bias
+  (DeepSeek-V3's auxiliary-loss-free balancing) that shifts which experts are selected, not how
+  their outputs are mixed; the train step moves it by rate x sign(mean load - load).
+  """
+
+  num_experts: int = 8
+  experts_per_token: int = 2  # top-k
+  expert_mlp_dim: int = 0  # 0: model.mlp_dim
+  num_shared_experts: int = 0  # always-active experts of expert_mlp_dim each, fused into one MLP
+  first_dense_layers: int = 0  # leading layers that keep the dense MLP (DeepSeek-V3: 3)
+  router: str = "softmax"
+  load_balance_loss: float = 0.01  # weight of the Switch-style auxiliary loss
+  router_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE)
+  bias_update_rate: float = 0.0  # > 0: aux-loss-free bias, updated by the train step
+  # "dropping": each expert takes at most capacity_factor x its fair share of a sequence's
+  # tokens (one-hot dispatch einsums; the rest are dropped and counted); "dropless": tokens
+  # sorted by expert and run through a grouped matmul (nothing dropped).
+  dispatch: str = "dropping"
+  capacity_factor: float = 1.25
+  routed_scaling: float = 1.0  # multiplies the routed experts' output (DeepSeek-V3: 2.5)
+  # Dropless token exchange with expert > 1: "padded" all-to-all of worst-case buffers (works
+  # everywhere), "ragged" all-to-all (GPU; XLA:CPU does not implement it), "auto": ragged on GPU.
+  exchange: str = "auto"
+
+  def mlp_dim(self, model_mlp_dim: int) -> int:
+    return self.expert_mlp_dim or model_mlp_dim
+
+  def validate(self, num_layers: int) -> None:
+    """Raises ValueError with a one-line message for an inconsistent MoE."""
+    for name in ("num_experts", "experts_per_token", "capacity_factor", "routed_scaling"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.moe.{name} must be positive, got {getattr(self, name)}")
+    for name in ("expert_mlp_dim", "num_shared_experts", "first_dense_layers",
+                 "load_balance_loss", "router_z_loss", "bias_update_rate"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"model.moe.{name} must be >= 0, got {getattr(self, name)}")
+    if self.experts_per_token > self.num_experts:
+      raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds"
+                       f" model.moe.num_experts={self.num_experts}")
+    if self.first_dense_layers >= num_layers:
+      raise ValueError(f"model.moe.first_dense_layers={self.first_dense_layers} leaves no MoE"
+                       f" layer of model.num_layers={num_layers}")
+    for name, allowed in (("router", ROUTERS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"model.moe.{name}={getattr(self, name)!r} is not one of {allowed}")
 
 
 @dataclasses.dataclass
@@ -33,6 +124,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of activations and matmuls
   attention_impl: str = "xla"
+  # With the sequence split over `context`: "ring" (K/V blocks passed around the devices) or
+  # "allgather" (K/V gathered, then attended locally).
+  context_impl: str = "ring"
   # How the output head meets the loss: "dense" materializes [B, L, V] logits; "chunked" runs
   # the head and the cross-entropy over sequence chunks of `loss_chunk_size` tokens, so only
   # [B, chunk, V] logits ever exist (kernels/cross_entropy.py). A model field, not a step one:
@@ -41,6 +135,18 @@ class ModelConfig:
   loss_chunk_size: int = 256
   remat: str = "none"
   scan_layers: bool = True
+  moe: MoEConfig | None = None  # None: every layer has the dense MLP (Llama)
+  fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
+  # The dense MLP's tensor-parallel collectives as collective matmuls (sharding/
+  # collective_matmul.py): with sequence parallelism, the all-gather before gate/up and the
+  # reduce-scatter after down become N - 1 ppermute steps that overlap the matmul chunks.
+  collective_matmul: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.moe, dict):  # from dataclasses.asdict (e.g. a config sent to a subprocess)
+      self.moe = MoEConfig(**self.moe)
+    if isinstance(self.fp8, dict):
+      self.fp8 = Fp8Config(**self.fp8)
 
   def validate(self) -> None:
     """Raises ValueError with a one-line message for an inconsistent architecture."""
@@ -55,34 +161,76 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
     for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
+                          ("context_impl", CONTEXT_IMPLS),
                           ("remat", REMAT_POLICIES),
                           ("dtype", DTYPES), ("param_dtype", DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {allowed}")
+    if self.moe is not None:
+      self.moe.validate(self.num_layers)
+    self.fp8.validate()
+    if self.collective_matmul and self.fp8.applies_to("mlp"):
+      raise ValueError("model.collective_matmul runs the MLP matmuls itself, not in fp8: drop"
+                       " 'mlp' from model.fp8.targets or set model.collective_matmul=false")
+    if self.fp8.applies_to("head") and (self.tie_embeddings or self.loss_impl == "chunked"):
+      raise ValueError("model.fp8.targets includes 'head', which needs an untied head and"
+                       " model.loss_impl='dense'")
 
   # ---- parameter counts (the formulas the tests check against the built model) ----
 
   def layer_params(self) -> int:
-    d, h, k, dh, f = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
-    attention = d * h * dh + 2 * d * k * dh + h * dh * d  # q, k, v, o
-    mlp = 3 * d * f  # gate, up, down
-    return attention + mlp + 2 * d  # + two RMSNorm scales
+    """One dense layer: attention, the SwiGLU MLP and two norm scales."""
+    return self._attention_params() + 3 * self.embed_dim * self.mlp_dim + 2 * self.embed_dim
+
+  def _attention_params(self) -> int:
+    d, h, k, dh = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
+    return d * h * dh + 2 * d * k * dh + h * dh * d  # q, k, v, o
+
+  def dense_layers(self) -> int:
+    return self.num_layers if self.moe is None else self.moe.first_dense_layers
+
+  def moe_layers(self) -> int:
+    return self.num_layers - self.dense_layers()
+
+  def moe_layer_params(self, experts: int | None = None) -> int:
+    """One MoE layer with all routed experts, or only `experts` of them (the active ones)."""
+    m, d = self.moe, self.embed_dim
+    f = m.mlp_dim(self.mlp_dim)
+    experts = m.num_experts if experts is None else experts
+    router = d * m.num_experts + (m.num_experts if m.bias_update_rate > 0 else 0)
+    shared = 3 * d * f * m.num_shared_experts
+    return self._attention_params() + router + shared + experts * 3 * d * f + 2 * d
 
   def embedding_params(self) -> int:
     return self.vocab_size * self.embed_dim
 
-  def num_params(self) -> int:
+  def _params(self, moe_layer: int) -> int:
     head = 0 if self.tie_embeddings else self.vocab_size * self.embed_dim
-    return self.embedding_params() + self.num_layers * self.layer_params() + self.embed_dim + head
+    return (self.embedding_params() + self.dense_layers() * self.layer_params() + moe_layer
+            * self.moe_layers() + self.embed_dim + head)
+
+  def num_params(self) -> int:
+    """Every parameter (all experts)."""
+    return self._params(self.moe_layer_params() if self.moe else 0)
+
+  def active_params(self) -> int:
+    """Parameters one token uses: routed experts counted top-k times; embedding and head
+    included (Mixtral-8x7B: 12.9B of 46.7B)."""
+    return self._params(self.moe_layer_params(self.moe.experts_per_token) if self.moe else 0)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) + causal attention scores.
+    """Training FLOPs per token: 6 x (active matmul parameters) + causal attention scores.
 
-    Matmul parameters exclude the embedding lookup but include the output head (tied or not).
+    Matmul parameters exclude the embedding lookup, norm scales and router biases but include
+    the output head (tied or not) and the routers; MoE layers count their top-k experts.
     Attention: QK^T and AV are 2 x 2 x L x H x Dh x seq FLOPs forward per token without masking;
     the causal mask halves it, and backward doubles forward twice (x3 total): 6 x L x H x Dh x seq.
     """
-    matmul = self.num_layers * (self.layer_params() - 2 * self.embed_dim)
+    matmul = self.dense_layers() * (self.layer_params() - 2 * self.embed_dim)
+    if self.moe is not None:
+      bias = self.moe.num_experts if self.moe.bias_update_rate > 0 else 0
+      active = self.moe_layer_params(self.moe.experts_per_token)
+      matmul += self.moe_layers() * (active - 2 * self.embed_dim - bias)
     matmul += self.vocab_size * self.embed_dim
     attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
     return 6.0 * matmul + attention

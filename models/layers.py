@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import fp8 as fp8_ops
 from sharding import constrain
 
 
@@ -20,18 +21,28 @@ def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
 class Einsum(nnx.Module):
   """A projection `einsum(eqn, x, w)`; w has logical dim names and fan-in scaled init.
 
-  Casting to the compute dtype happens here and only here (besides the loss).
+  The precision policy's casts happen here and only here (besides the loss): x and w to the
+  compute dtype, or, with `fp8` (a models.config.Fp8Config that applies), both to fp8 with
+  delayed scaling (models/fp8.py; the amax histories are parameters of this module).
   """
 
   def __init__(self, shape: Sequence[int], names: Sequence[str], fan_in_dims: Sequence[int], *,
-               param_dtype, dtype, rngs: nnx.Rngs):
+               param_dtype, dtype, rngs: nnx.Rngs, fp8=None):
     out_dims = tuple(i for i in range(len(shape)) if i not in fan_in_dims)
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                 in_axis=tuple(fan_in_dims), out_axis=out_dims)
     self.w = logical_param(init(rngs.params(), tuple(shape), param_dtype), names)
     self.dtype = dtype
+    self.fp8_margin = fp8.margin if fp8 is not None else None  # a plain int: static
+    if fp8 is not None:
+      for name in fp8_ops.HISTORIES:  # float32 whatever the param dtype: amaxes span decades
+        setattr(self, name, logical_param(jnp.zeros((fp8.amax_history,), jnp.float32),
+                                          (fp8_ops.FP8_HISTORY,)))
 
   def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
+    if self.fp8_margin is not None:
+      return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x.astype(self.dtype), self.w[...],
+                                *(getattr(self, n)[...] for n in fp8_ops.HISTORIES))
     return jnp.einsum(eqn, x.astype(self.dtype), self.w[...].astype(self.dtype))
 
 

@@ -1,11 +1,15 @@
 """SwiGLU feed-forward: gate and up column-split over `mlp`, down row-split."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Einsum
-from sharding import constrain
+from sharding import constrain, logical_all_gather_matmul, logical_matmul_reduce_scatter
+
+RESIDUAL = ("batch", "res_seq", "act_embed")
+HIDDEN = ("batch", "seq", "act_mlp")
 
 
 class MLP(nnx.Module):
@@ -13,13 +17,29 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f = cfg.embed_dim, cfg.mlp_dim
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
+              fp8=cfg.fp8 if cfg.fp8.applies_to("mlp") else None)
     self.gate = Einsum((d, f), ("embed", "mlp"), (0,), **kw)
     self.up = Einsum((d, f), ("embed", "mlp"), (0,), **kw)
     self.down = Einsum((f, d), ("mlp", "embed"), (0,), **kw)
+    self.collective_matmul = cfg.collective_matmul
+    self.dtype = cfg.dtype
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    names = ("batch", "seq", "act_mlp")
+    if self.collective_matmul:
+      return self._collective(x_BLD)
+    names = HIDDEN
     hidden = jax.nn.silu(constrain(self.gate("BLD,DF->BLF", x_BLD), names))
     hidden = hidden * constrain(self.up("BLD,DF->BLF", x_BLD), names)
     return self.down("BLF,FD->BLD", hidden)
+
+  def _collective(self, x_BLD: jax.Array) -> jax.Array:
+    """The same MLP with the sequence-parallel all-gather and reduce-scatter decomposed into
+    ppermute steps under shard_map. Gate and up are stacked into one [D, 2, F] weight so the
+    activations travel once."""
+    x = x_BLD.astype(self.dtype)
+    w_in = jnp.stack([self.gate.w[...], self.up.w[...]], axis=1).astype(self.dtype)
+    gate_up = logical_all_gather_matmul(x, w_in, RESIDUAL, ("batch", "seq", None, "act_mlp"))
+    hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    return logical_matmul_reduce_scatter(hidden, self.down.w[...].astype(self.dtype), HIDDEN,
+                                         RESIDUAL)

@@ -1,4 +1,4 @@
-"""The decoder: embedding, a stacked and scanned layer stack with a remat policy, output head."""
+"""The decoder: embedding, stacked and scanned dense and MoE layers with a remat policy, head."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import Einsum, Embed, RMSNorm
 from models.mlp import MLP
+from models.moe import MoE, summarize
 from sharding import constrain
 
 RESIDUAL = ("batch", "res_seq", "act_embed")  # sequence-sharded under sequence parallelism
@@ -38,39 +39,90 @@ class DecoderBlock(nnx.Module):
     return constrain(x_BLD + self.mlp(self.mlp_norm(x_BLD)), RESIDUAL)
 
 
+class MoEBlock(nnx.Module):
+  """The same block with the MoE feed-forward; also returns the layer's routing stats."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
+    self.moe = MoE(cfg, rngs=rngs)
+
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+    x_BLD = constrain(x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL),
+                      RESIDUAL)
+    y_BLD, stats = self.moe(self.mlp_norm(x_BLD))
+    return constrain(x_BLD + y_BLD, RESIDUAL), stats
+
+
+def _stack(block, num_layers: int, cfg: ModelConfig, rngs: nnx.Rngs):
+  """`num_layers` blocks with their weights stacked on a leading `layers` dim."""
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def stack(rngs):
+    return block(cfg, rngs=rngs)
+
+  return stack(rngs)
+
+
 class Transformer(nnx.Module):
-  """A Llama decoder. Every layer weight has a leading `layers` dim (one compiled layer body)."""
+  """A Llama decoder. Every layer weight has a leading `layers` dim (one compiled layer body).
+
+  With `cfg.moe`, the first `moe.first_dense_layers` layers are dense (`layers`, None when
+  there are none) and the rest form a second stack, `moe_layers`, scanned after it.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     self.embed = Embed(cfg.vocab_size, cfg.embed_dim, cfg.embed_init_std, rngs=rngs, **kw)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def stack(rngs):
-      return DecoderBlock(cfg, rngs=rngs)
-
-    self.layers = stack(rngs)
+    dense = cfg.dense_layers()
+    self.layers = _stack(DecoderBlock, dense, cfg, rngs) if dense else None
+    self.moe_layers = _stack(MoEBlock, cfg.moe_layers(), cfg, rngs) if cfg.moe else None
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **kw)
     self.head = None if cfg.tie_embeddings else Einsum(
-        (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,), rngs=rngs, **kw)
+        (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,), rngs=rngs,
+        fp8=cfg.fp8 if cfg.fp8.applies_to("head") else None, **kw)
     self.num_layers = cfg.num_layers
     self.remat = cfg.remat
     self.scan_layers = cfg.scan_layers
     # Static, read by the train step: whether the loss takes logits or hidden states + head.
     self.loss_impl = cfg.loss_impl
     self.loss_chunk_size = cfg.loss_chunk_size
+    # Static, read by the train step: the MoE loss weights and the balancing-bias rate.
+    self.has_moe = cfg.moe is not None
+    self.moe_loss_weights = (cfg.moe.load_balance_loss, cfg.moe.router_z_loss) \
+        if cfg.moe else (0.0, 0.0)
+    self.moe_bias_rate = cfg.moe.bias_update_rate if cfg.moe else 0.0
 
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
-    """Returns logits [B, L, V] in the compute dtype.
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
+    """Returns logits [B, L, V] in the compute dtype; with return_aux, (logits, aux).
 
     Args:
       tokens_BL: int token ids.
       positions_BL: position of each token within its document (default 0..L-1).
       segment_ids_BL: document ids for packed rows (default: one document per row).
+      return_aux: also return the MoE layers' routing stats (models.moe.summarize; {} for a
+        dense model).
     """
-    x = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
-    logits = self.embed.attend(x) if self.head is None else self.head("BLD,DV->BLV", x)
+    x, aux = self.hidden(tokens_BL, positions_BL, segment_ids_BL, return_aux=True)
+    logits = self.logits(x)
+    return (logits, aux) if return_aux else logits
+
+  # The pieces of the forward pass, also run one by one by pipeline stages (trainer/pipeline_step).
+
+  def embed_tokens(self, tokens_BL) -> jax.Array:
+    """Token embeddings [B, L, D] on the residual stream."""
+    return constrain(self.embed(tokens_BL), RESIDUAL)
+
+  def run_layers(self, x_BLD, positions_BL, segment_ids_BL) -> jax.Array:
+    """The dense layer stack over x (whatever number of stacked layers it holds)."""
+    return self._run(self.layers, x_BLD, positions_BL, segment_ids_BL)[0]
+
+  def logits(self, hidden_BLD) -> jax.Array:
+    """The output head over final-norm outputs: [B, L, V]."""
+    logits = (self.embed.attend(hidden_BLD) if self.head is None
+              else self.head("BLD,DV->BLV", hidden_BLD))
     return constrain(logits, ("batch", "seq", "act_vocab"))
 
   def head_weights(self) -> jax.Array:
@@ -80,25 +132,39 @@ class Transformer(nnx.Module):
       return self.embed.table[...].astype(self.embed.dtype).T
     return self.head.w[...].astype(self.head.dtype)
 
-  def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
-    """The final-norm output [B, L, D] in the compute dtype: everything but the output head.
+  def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
+    """The final-norm output [B, L, D] in the compute dtype: everything but the output head;
+    with return_aux, (hidden, aux) as for `__call__`.
 
     Args: as for `__call__`.
     """
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    x = constrain(self.embed(tokens_BL), RESIDUAL)
-    graphdef, stacked = nnx.split(self.layers)
+    x = self.embed_tokens(tokens_BL)
+    if self.layers is not None:
+      x = self.run_layers(x, positions_BL, segment_ids_BL)
+    aux = {}
+    if self.moe_layers is not None:
+      x, per_layer = self._run(self.moe_layers, x, positions_BL, segment_ids_BL)
+      aux = summarize(per_layer)
+    x = self.final_norm(x)
+    return (x, aux) if return_aux else x
+
+  def _run(self, stack, x, positions_BL, segment_ids_BL):
+    """One stack over x: (x, per-layer outputs stacked, or None for dense blocks)."""
+    graphdef, stacked = nnx.split(stack)
 
     def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL), None
+      out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL)
+      return out if isinstance(out, tuple) else (out, None)
 
     if REMAT_POLICIES[self.remat] is not None:
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat],
                             prevent_cse=not self.scan_layers)
     if self.scan_layers:
-      x, _ = jax.lax.scan(body, x, stacked)
-    else:  # unrolled: the same body and weights, for debugging
-      for i in range(self.num_layers):
-        x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-    return self.final_norm(x)
+      return jax.lax.scan(body, x, stacked)
+    ys = []  # unrolled: the same body and weights, for debugging
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+      x, y = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+      ys.append(y)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)

@@ -4,7 +4,7 @@ import dataclasses
 import os
 import re
 
-from sharding import hlo
+from sharding import hlo, overlap
 
 GIB = 1024 ** 3
 _TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
@@ -77,6 +77,9 @@ class CompiledReport:
   is_scheduled: bool  # the HLO went through XLA's scheduler (GPU latency-hiding scheduler)
   compile_seconds: float = 0.0
   extra: dict = dataclasses.field(default_factory=dict)  # model/analytic facts from the caller
+  # overlap.summarize of the collectives: wire bytes with compute scheduled between start and
+  # done ("hidden") and without ("exposed"); {} in reports made before it existed.
+  overlap: dict = dataclasses.field(default_factory=dict)
 
   @property
   def wire_bytes(self) -> float:
@@ -107,8 +110,12 @@ def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -
   cols = hlo.collectives(text, len(devices))
   rows = [dict(dataclasses.asdict(c), wire_bytes=c.wire_bytes, total_wire_bytes=c.total_wire_bytes)
           for c in cols]
+  scheduled = "is_scheduled=true" in text
+  if scheduled:  # without a schedule, text order says nothing about what overlaps
+    overlap.annotate(rows, text)
   return CompiledReport(target, len(devices), devices[0].platform, memory, flops, rows,
-                        hlo.summarize(cols), "is_scheduled=true" in text, compile_seconds)
+                        hlo.summarize(cols), scheduled, compile_seconds,
+                        overlap=overlap.summarize(rows) if scheduled else {})
 
 
 def from_json(data: dict) -> CompiledReport:
@@ -145,19 +152,27 @@ def format_report(rep: CompiledReport, device_memory_bytes: int | None = None) -
     shape = (f"{c['arrays']} arrays" if c["arrays"] > 1
              else "x".join(map(str, c["shape"])) or "scalar")
     key = (c["kind"], c["dtype"], shape, c["group_size"], c["is_async"], c["count"])
-    groups.setdefault(key, [0, 0.0])
+    groups.setdefault(key, [0, 0.0, 0.0])
     groups[key][0] += 1
     groups[key][1] += c["total_wire_bytes"]
+    groups[key][2] += c["total_wire_bytes"] if c.get("compute_between", 0) > 0 else 0.0
+  hide = rep.overlap != {}
   lines.append(f"  {'kind':<19}{'dtype':<6}{'shape':<22}{'group':>6}{'async':>6}{'runs':>6}"
-               f"{'ops':>5}{'wire MiB':>12}")
-  for (kind, dtype, shape, group, is_async, count), (ops, wire) in sorted(
+               f"{'ops':>5}{'wire MiB':>12}" + (f"{'hidden':>8}" if hide else ""))
+  for (kind, dtype, shape, group, is_async, count), (ops, wire, hidden) in sorted(
       groups.items(), key=lambda kv: -kv[1][1]):
     lines.append(f"  {kind:<19}{dtype:<6}{shape:<22}{group:>6}{'yes' if is_async else 'no':>6}"
-                 f"{count:>6}{ops:>5}{wire / 2**20:12.3f}")
+                 f"{count:>6}{ops:>5}{wire / 2**20:12.3f}"
+                 + (f"{hidden / wire if wire else 1.0:>8.0%}" if hide else ""))
   lines.append("totals by kind:")
   for kind, v in rep.summary.items():
     lines.append(f"  {kind:<19} {v['executions']:>5} executions {v['wire_bytes'] / 2**20:12.3f}"
                  " MiB on the wire")
   lines.append(f"  all                 {rep.wire_bytes / 2**20:.3f} MiB per device per step,"
                f" {rep.async_fraction:.0%} of it async")
+  if hide:
+    o = rep.overlap
+    lines.append(f"overlap: {o['hidden_bytes'] / 2**20:.3f} MiB ({o['hidden_fraction']:.0%}) have"
+                 f" kernels scheduled between start and done ({o['matmul_hidden_fraction']:.0%}"
+                 f" a matmul); {o['exposed_bytes'] / 2**20:.3f} MiB exposed")
   return "\n".join(lines)

@@ -56,8 +56,13 @@ def gradient_replica_axes() -> tuple[tuple[str, ...], int]:
   ctx = _CURRENT.get()
   if ctx is None:
     return (), 1
-  size = mesh_sizes(ctx.mesh)["data"]
-  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"]:
+  sizes = mesh_sizes(ctx.mesh)
+  size = sizes["data"]
+  # Context parallelism runs collectives inside shard_map; under the replicas' vmap
+  # (spmd_axis_name) their transposes fail JAX 0.10's varying-axes check, so with the sequence
+  # split the gradients are reduced per microbatch instead (costlier, equally exact).
+  seq_split = any(sizes[a] > 1 for a in dict(ctx.rules).get("seq", ()))
+  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"] or seq_split:
     return (), 1
   return ("data",), size
 
@@ -111,6 +116,10 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if ctx is None:
     return x
   sharding = named_sharding(names, x.shape, "activation")
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.manual_axes:  # inside a shard_map manual over some axes (kept out of the spec by
+    # `excluding`): the constraint must name the abstract mesh that marks them Manual
+    sharding = NamedSharding(abstract, sharding.spec)
   if ctx.recorded is not None:
     ctx.recorded.append((tuple(x.shape), tuple(names), sharding.spec))
   return jax.lax.with_sharding_constraint(x, sharding)

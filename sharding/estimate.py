@@ -5,13 +5,16 @@ formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: s
 """
 
 import dataclasses
+import functools
 import math
+
+from sharding import schedules
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
 DEFAULT_WORKSPACE_BYTES = 1.5e9
 REMATS = ("none", "selective", "full")
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = schedules.SCHEDULES
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 
@@ -91,14 +94,20 @@ ESTIMATOR_MODELS = {
 
 
 def model_spec(model) -> ModelSpec:
-  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`)."""
+  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`).
+
+  From models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width) and
+  shared experts. Not representable here (every layer is MoE): `first_dense_layers` (counted as
+  MoE layers) and the aux-loss-free routing bias (E parameters per layer, not counted).
+  """
   if isinstance(model, ModelSpec):
     return model
   moe = getattr(model, "moe", None)
   if moe is not None and not isinstance(moe, MoESpec):
+    shared = getattr(moe, "num_shared_experts", None)
     moe = MoESpec(moe.num_experts, getattr(moe, "experts_per_token", None) or moe.top_k,
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
-                  getattr(moe, "shared_experts", 0))
+                  getattr(moe, "shared_experts", 0) if shared is None else shared)
   flash = getattr(model, "attention_impl", "xla") in ("cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
@@ -127,11 +136,13 @@ PLAYBOOK_MIXED_FP32_ACCUM = Precision("bf16 mixed + fp32 grad accumulation", 2, 
 FULL_FP32 = Precision("fp32", 4, 0, 4, 0, 4, 4)
 
 
-def trainer_precision(dtype: str = "float32", param_dtype: str = "float32") -> Precision:
+def trainer_precision(dtype: str = "float32", param_dtype: str = "float32",
+                      grad_accum_dtype: str = "") -> Precision:
   """What trainer/ does today: params, grads and AdamW moments in `param_dtype`, no master copy;
-  activations in the compute `dtype`; microbatches accumulate into a scan carry."""
-  p = DTYPE_BYTES[param_dtype]
-  return Precision(f"trainer ({param_dtype} params, {dtype} compute)", p, 0, p, p, p,
+  activations in the compute `dtype`; microbatches accumulate into a scan carry of
+  `grad_accum_dtype` (TrainConfig.grad_accum_dtype; default: `param_dtype`)."""
+  p, a = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_accum_dtype or param_dtype]
+  return Precision(f"trainer ({param_dtype} params, {dtype} compute)", p, 0, p, a, p,
                    DTYPE_BYTES[dtype], accum_only_when_microbatching=True)
 
 
@@ -157,7 +168,7 @@ class Layout:
   pp: int = 1
   ep: int = 1
   schedule: str = "1f1b"
-  vpp: int = 1  # virtual stages per device (interleaved schedule)
+  vpp: int = 1  # virtual stages per device (interleaved_1f1b schedule)
   mbs: int = 1
   ga: int = 1
   remat: str = "none"
@@ -308,18 +319,53 @@ def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, 
   return tokens * per_token
 
 
+@functools.lru_cache(maxsize=512)
+def _table(kind: str, stages: int, microbatches: int, virtual: int) -> schedules.Schedule:
+  return schedules.make(kind, stages, microbatches, virtual)
+
+
+def pipeline_table(layout: Layout) -> schedules.Schedule | None:
+  """The tick table the executor runs (sharding/schedules.py), or None without a pipeline or for
+  a layout the executor refuses (e.g. fewer microbatches than stages for 1F1B)."""
+  if layout.pp == 1:
+    return None
+  try:
+    return _table(layout.schedule, layout.pp, layout.ga, layout.vpp)
+  except ValueError:
+    return None
+
+
 def in_flight_microbatches(layout: Layout) -> float:
-  """Microbatches whose activations the first pipeline stage holds at its peak (playbook, PP
-  section): AFAB all m; 1F1B and zero-bubble (ZB-H1) min(m, p); interleaved 1F1B
-  p (1 + (p-1)/(p v)) (Narayanan et al. 2021, arXiv:2104.04473)."""
+  """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
+  peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et al. 2021,
+  arXiv:2104.04473) — closed forms that the executor's tick tables reproduce exactly
+  (tests/test_estimate.py) — and zero-bubble (ZB-H1) read off its table (1F1B's by design)."""
   p, m = layout.pp, layout.ga
   if p == 1:
     return 1
+  table = pipeline_table(layout) if layout.schedule == "zero_bubble" else None
+  if table is not None:
+    return float(table.in_flight().max())
   if layout.schedule == "afab":
     return m
-  if layout.schedule == "interleaved":
-    return min(m, p) * (1 + (p - 1) / (p * layout.vpp))
+  if layout.schedule == "interleaved_1f1b":
+    # With m <= p every chunk of every microbatch runs forward before the first backward.
+    return m if m <= p else p * (1 + (p - 1) / (p * layout.vpp))
   return min(m, p)
+
+
+def bubble_ratio(layout: Layout) -> float:
+  """Idle over busy time of a pipeline stage, with equal-length ticks: (p-1)/m for AFAB and 1F1B,
+  (p-1)/(v m) interleaved (closed forms equal to the tick tables), and for zero-bubble its table
+  (the deferred weight passes fill most of the bubble; a third of 1F1B's if no table)."""
+  if layout.pp == 1:
+    return 0.0
+  table = pipeline_table(layout) if layout.schedule == "zero_bubble" else None
+  if table is not None:
+    idle = table.bubble_fraction()
+    return idle / (1 - idle)
+  ratio = (layout.pp - 1) / (layout.vpp * layout.ga)
+  return ratio / 3 if layout.schedule == "zero_bubble" else ratio
 
 
 def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,

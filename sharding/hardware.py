@@ -5,7 +5,8 @@ import json
 import math
 import os
 
-from sharding.estimate import Layout, ModelSpec, Precision, memory, model_spec, param_counts
+from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, memory, model_spec,
+                               param_counts)
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
 MESH_ORDER = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
@@ -224,7 +225,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
               order: tuple = MESH_ORDER) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
-  kind, the pipeline bubble (p-1)/(v m) (zero-bubble: a third of it) and the optimizer update at
+  kind, the pipeline bubble of the schedule's tick table (estimate.bubble_ratio) and the optimizer update at
   HBM bandwidth."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
@@ -247,12 +248,8 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
       dp_exposed += (1 - o) * t
     else:
       stage_exposed += (1 - o) * t
-  bubble_ratio = 0.0
-  if lay.pp > 1:
-    bubble_ratio = (lay.pp - 1) / (lay.vpp * lay.ga)
-    bubble_ratio /= 3 if lay.schedule == "zero_bubble" else 1
   stage = compute + stage_exposed
-  bubble = stage * bubble_ratio
+  bubble = stage * bubble_ratio(lay)
   mem = memory(m, lay, seq_len, precision, workspace_bytes=0)
   optimizer = 2 * mem.state / hw.hbm_bandwidth  # read and write params, grads, moments
   exposed = stage_exposed + dp_exposed + max(0.0, hidden - compute)

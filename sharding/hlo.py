@@ -81,7 +81,7 @@ class Collective:
 
 
 # One instruction: result type (comments stripped) and attributes (metadata stripped).
-_Instr = collections.namedtuple("_Instr", "name type op attrs")
+Instr = _Instr = collections.namedtuple("Instr", "name type op attrs")
 
 
 def _close(text: str) -> int:
@@ -152,6 +152,32 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
       attrs = _METADATA.sub("", tail[op.end():])
       comps[comp].append(_Instr(m.group("name"), type_str, op.group("op"), attrs))
   return comps, header
+
+
+def computations(hlo_text: str) -> dict[str, list[Instr]]:
+  """{computation name: its instructions in text order}; for a scheduled module (is_scheduled=
+  true) that order is the schedule. `attrs` starts with the operand list."""
+  return _parse(hlo_text)[0]
+
+
+def callees(ins: Instr) -> list[str]:
+  """Names of the computations an instruction calls (fusions, calls, while body/condition...)."""
+  names = _ONE_CALLEE.findall(ins.attrs)
+  for group in _MANY_CALLEES.findall(ins.attrs):
+    names += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+  return names + [c for _, c in _WHILE_PART.findall(ins.attrs)]
+
+
+def operands(ins: Instr) -> list[str]:
+  """Operand names, printed as "%name" (or "type %name" in older text)."""
+  text = "(" + ins.attrs
+  inside = text[1:_close(text) - 1]
+  return re.findall(r"%([\w.\-]+)", inside) or re.findall(r"([\w.\-]+)", inside)
+
+
+def arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, shape) of every array in a (possibly tuple) HLO type."""
+  return _leaves(type_str)
 
 
 def _counts(comps: dict[str, list[_Instr]]) -> tuple[dict[str, int], dict[str, bool], set[str]]:

@@ -37,6 +37,10 @@ class MeshConfig:
   # With tensor > 1: activations between tensor-parallel regions are sharded on the sequence dim
   # over `tensor` (all-gather + reduce-scatter instead of all-reduce).
   sequence_parallel: bool = False
+  # With pipeline > 1: the schedule (afab, 1f1b, interleaved_1f1b, zero_bubble) of the
+  # microbatches (TrainConfig.microbatches) and the layer chunks per stage (interleaving).
+  pipeline_schedule: str = "1f1b"
+  virtual_stages: int = 1
   # Multi-host: the across-hosts factor of each axis, e.g. "data=4,pipeline=2"; the rest of each
   # axis stays within a host. "" = outer axes span hosts first (data, then pipeline, ...).
   dcn: str = ""

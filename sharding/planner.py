@@ -50,8 +50,8 @@ def check_layout(layout: Layout) -> None:
     raise LayoutSpecError(f"layout zero={layout.zero} must be 0, 1, 2 or 3")
   if layout.sp and layout.tp == 1:
     raise LayoutSpecError("layout sp=1 needs tp > 1 (sequence parallelism splits over tensor)")
-  if layout.vpp > 1 and layout.schedule != "interleaved":
-    raise LayoutSpecError(f"layout vpp={layout.vpp} needs schedule=interleaved")
+  if layout.vpp > 1 and layout.schedule != "interleaved_1f1b":
+    raise LayoutSpecError(f"layout vpp={layout.vpp} needs schedule=interleaved_1f1b")
 
 
 def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[str]:
@@ -180,7 +180,7 @@ def _data_splits(rest: int):
 def _switches(model, tp: int, pp: int):
   schedules = [("1f1b", 1)]
   if pp > 1 and model.num_layers % (2 * pp) == 0:
-    schedules.append(("interleaved", 2))
+    schedules.append(("interleaved_1f1b", 2))
   for remat in REMATS:
     for sp in ((False, True) if tp > 1 else (False,)):
       for schedule, vpp in schedules:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from sharding.context import current, is_names, mesh_sizes, spec
-from sharding.rules import role_rules
+from sharding.rules import logical_to_spec, role_rules
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -72,21 +72,20 @@ def replicated_fraction(rows: list[Row]) -> float:
   return whole / max(total, 1)
 
 
-def check_replication(rows: list[Row], max_fraction: float) -> None:
-  """Raises if the layout shards parameters but more than `max_fraction` of their bytes are whole
-  on every device (e.g. a rule override that silently replicates the MLP)."""
+def check_replication(rows: list[Row], max_fraction: float, reference_rules) -> None:
+  """Raises if more than `max_fraction` of the parameter bytes are whole on every device while
+  `reference_rules` (the default table for this layout) would split them: a rule override that
+  silently replicates (e.g. the MLP). Parameters replicated by design (norm scales; embedding
+  and head across pipeline stages; everything under plain data parallelism) do not count."""
   ctx = current()
   sizes = mesh_sizes(ctx.mesh)
-  table = dict(role_rules(ctx.rules, "params", ctx.zero_stage))
-  # The layout promises sharded parameters when some parameter dim maps to an axis of size > 1
-  # (an `expert` axis alone does not, for a dense model: it only splits the batch).
-  promised = any(sizes[axis] > 1 for row in rows for name in row.names
-                 for axis in table.get(name, ()))
-  fraction = replicated_fraction(rows)
-  if promised and fraction > max_fraction:
-    worst = sorted((r for r in rows if r.bytes_per_device == r.total_bytes),
-                   key=lambda r: -r.total_bytes)[:3]
+  reference = role_rules(reference_rules, "params", ctx.zero_stage)
+  lost = [r for r in rows if r.bytes_per_device == r.total_bytes
+          and _split(logical_to_spec(r.names, r.shape, sizes, reference, r.name), sizes) > 1]
+  fraction = sum(r.total_bytes for r in lost) / max(sum(r.total_bytes for r in rows), 1)
+  if fraction > max_fraction:
+    worst = sorted(lost, key=lambda r: -r.total_bytes)[:3]
     raise ValueError(
-        f"{fraction:.0%} of parameter bytes are replicated on every device although the layout"
-        f" shards parameters (limit {max_fraction:.0%}); largest: "
+        f"{fraction:.0%} of parameter bytes are replicated on every device although the default"
+        f" rules of this layout shard them (limit {max_fraction:.0%}); largest: "
         + ", ".join(f"{r.name} {r.names}" for r in worst))

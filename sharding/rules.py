@@ -13,12 +13,14 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 # Names absent from the table are replicated.
 DEFAULT_RULES: Rules = (
     # activations
+    # MoE tokens dispatched to experts [E, groups, capacity, D]: the experts dim takes `expert`
+    # before the batch (groups) dim can, so moving tokens to their experts is an all-to-all.
+    ("act_experts", ("expert",)),
     ("batch", ("data", "fsdp", "expert")),
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
-    ("act_experts", ("expert",)),
     ("seq", ("context",)),
     # The sequence dim of the residual stream (embeddings, norms, residual adds): the only one
     # that sequence parallelism also splits over `tensor`.
@@ -27,6 +29,7 @@ DEFAULT_RULES: Rules = (
     # weights
     ("layers", ("pipeline",)),
     ("experts", ("expert",)),
+    ("expert_bias", ()),  # MoE routing bias [E]: tiny, replicated (set by the train step)
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),

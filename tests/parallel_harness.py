@@ -7,6 +7,7 @@ import numpy as np
 
 import sharding
 from models import ModelConfig
+from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
 from trainer.loop import Trainer
 from trainer.step import make_grads_fn
@@ -29,10 +30,17 @@ class Result:
 
 
 def config(mesh_cfg: sharding.MeshConfig, *, microbatches: int = 1, remat: str = "none",
-           model: ModelConfig = MODEL) -> TrainConfig:
-  return TrainConfig(model=dataclasses.replace(model, remat=remat), mesh=mesh_cfg, optim=OPTIM,
-                     data=DataConfig(source="synthetic"), batch_size=BATCH, seq_len=SEQ,
-                     microbatches=microbatches, steps=STEPS)
+           model: ModelConfig = MODEL, moe: MoEConfig | None = None) -> TrainConfig:
+  """The harness run's config; `moe` turns the model into an MoE (tests/test_moe_parallel.py)."""
+  cfg = TrainConfig(model=dataclasses.replace(model, remat=remat), mesh=mesh_cfg, optim=OPTIM,
+                    data=DataConfig(source="synthetic"), batch_size=BATCH, seq_len=SEQ,
+                    microbatches=microbatches, steps=STEPS)
+  if moe is not None:
+    cfg.model = dataclasses.replace(cfg.model, moe=moe)
+    # Pure expert parallelism keeps the dense weights whole on every device by design (they
+    # are data-parallel over `expert`); the tiny model's experts are too small to outweigh them.
+    cfg.max_replicated_fraction = 1.0
+  return cfg
 
 
 def batches(seed: int = 0) -> list[dict]:

@@ -151,12 +151,20 @@ def test_sharded_train_step_with_kernels_equals_one_device():
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
-def test_context_parallel_layout_is_refused_for_the_kernel():
-  """The kernel needs whole sequences per device; splitting seq over `context` is issue [8]."""
+def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over():
+  """The kernel needs whole sequences per device: called on a sequence split over `context` it
+  refuses; the model instead routes attention to the context-parallel kernels (ring), so a
+  pallas_flash model still trains under context=2 (tests/test_context_parallel.py)."""
+  from models.attention import _flash_per_device
   model = dataclasses.replace(parallel_harness.MODEL, attention_impl="pallas_flash")
   cfg = parallel_harness.config(sharding.MeshConfig(data=4, context=2), model=model)
   from trainer.loop import Trainer
   trainer = Trainer(cfg)
+  q = jax.ShapeDtypeStruct((8, 16, 16, 8), jnp.float32)
+  kv = jax.ShapeDtypeStruct((8, 16, 8, 8), jnp.float32)
+  segments = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   with trainer.context(), pytest.raises(sharding.LayoutError,
                                         match="'seq' is split over context=2"):
+    jax.eval_shape(_flash_per_device, q, kv, kv, segments)
+  with trainer.context(), sharding.record_constraints():
     jax.eval_shape(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())

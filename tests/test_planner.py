@@ -33,7 +33,7 @@ def test_the_interface_layout_string_parses_and_round_trips():
     ("tp", "'tp' must look like key=value"),
     ("remat=some", "remat='some' is not one of none, selective, full"),
     ("dp=2,sp=1", "sp=1 needs tp > 1"),
-    ("pp=2,vpp=2", "vpp=2 needs schedule=interleaved"),
+    ("pp=2,vpp=2", "vpp=2 needs schedule=interleaved_1f1b"),
     ("zero=4", "zero=4 must be 0, 1, 2 or 3"),
 ])
 def test_malformed_layouts_are_one_line_errors(text, message):

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from sharding import compiled as compiled_report
+from sharding import xla_flags
 from trainer.config import TrainConfig, config_from_dict
 
 
@@ -38,6 +39,9 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
                 f"{cfg.mesh.sequence_parallel}, microbatches={cfg.microbatches},"
                 f" remat={cfg.model.remat}",
       "tokens per step": tokens,
+      "xla options": f"preset {cfg.xla_preset}"
+                     f" ({xla_flags.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
+                     + (f" + {cfg.xla_options}" if cfg.xla_options else ""),
       "model FLOPs per device per step (6N + attention)":
           f"{cfg.model.flops_per_token(cfg.seq_len) * tokens / len(devices):.4g}",
   }

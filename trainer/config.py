@@ -8,6 +8,8 @@ import dataclasses
 import math
 
 from models.config import ModelConfig
+from sharding import xla_flags
+from sharding import schedules
 from sharding.mesh import BATCH_AXES, MeshConfig
 
 
@@ -32,9 +34,14 @@ class DataConfig:
   shard_documents_by_process: bool = False
 
 
+OPTIMIZERS = ("adamw", "muon")
+GRAD_ACCUM_DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass
 class OptimConfig:
-  """AdamW with linear warmup and cosine decay, global-norm clipping."""
+  """AdamW (or Muon for hidden matrices) with linear warmup and cosine decay, global-norm
+  clipping. The learning rate, schedule and weight decay are shared by both."""
 
   learning_rate: float = 3e-3
   warmup_steps: int = 20
@@ -46,6 +53,23 @@ class OptimConfig:
   decay_embeddings: bool = False
   decay_norms: bool = False
   clip_norm: float = 1.0  # 0 disables clipping
+  # "muon": attention/MLP/expert matrices take Muon (trainer/optim.py), the rest AdamW.
+  name: str = "adamw"
+  muon_beta: float = 0.95  # momentum (Nesterov)
+  muon_ns_steps: int = 5  # Newton-Schulz iterations
+  # Moonlight: the orthogonalized update times rms_scale x sqrt(max(fan_in, fan_out)) has AdamW's
+  # update RMS (about 0.2), so Muon reuses AdamW's learning rate and weight decay.
+  muon_rms_scale: float = 0.2
+
+  def validate(self) -> None:
+    """Raises ValueError with a one-line message for a bad optimizer setting."""
+    if self.name not in OPTIMIZERS:
+      raise ValueError(f"optim.name={self.name!r} is not one of {OPTIMIZERS}")
+    if not 0.0 <= self.muon_beta < 1.0:
+      raise ValueError(f"optim.muon_beta must be in [0, 1), got {self.muon_beta}")
+    if self.muon_ns_steps <= 0 or self.muon_rms_scale <= 0:
+      raise ValueError(f"optim.muon_ns_steps and optim.muon_rms_scale must be positive, got"
+                       f" {self.muon_ns_steps} and {self.muon_rms_scale}")
 
 
 @dataclasses.dataclass
@@ -96,6 +120,9 @@ class TrainConfig:
   batch_size: int = 16  # global, in sequences
   seq_len: int = 128
   microbatches: int = 1  # gradient accumulation: the batch is split into this many scanned pieces
+  # dtype of the gradient sums carried across microbatches ("bfloat16" halves that buffer but
+  # rounds every partial sum); the mean gradient is cast back to the parameter dtype.
+  grad_accum_dtype: str = "float32"
   z_loss: float = 0.0
   # A non-finite loss or gradient norm never updates the state; then "stop" (exit non-zero,
   # keeping the last good checkpoint) or "skip" (go on; stop after max_consecutive_skips).
@@ -116,6 +143,9 @@ class TrainConfig:
   # Per-compile XLA options, "name=value,name=value" (e.g. GPU collective combine thresholds);
   # passed to jit(compiler_options=...) for training and `meshtron compile` alike.
   xla_options: str = ""
+  # A named, versioned set of XLA options for compute/communication overlap (sharding/
+  # xla_flags.py: "auto", "none", "overlap_v1", ...); xla_options override it option by option.
+  xla_preset: str = xla_flags.DEFAULT_PRESET
   # Memory per device in GiB for the fit check before training (the compiled program's peak must
   # fit); 0 = the device's own limit where the backend reports one (GPUs), else no check.
   device_memory_gib: float = 0.0
@@ -126,6 +156,10 @@ class TrainConfig:
   def validate(self) -> None:
     """Raises ValueError with a one-line message naming the bad field and how to fix it."""
     self.model.validate()
+    self.optim.validate()
+    if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+      raise ValueError(f"grad_accum_dtype={self.grad_accum_dtype!r} is not one of"
+                       f" {GRAD_ACCUM_DTYPES}")
     for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_batches"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -143,6 +177,7 @@ class TrainConfig:
     if self.init_from and (not self.init_from.startswith("hf:") or self.init_from == "hf:"):
       raise ValueError(f"init_from must be empty or hf:<Hugging Face model directory>, got"
                        f" {self.init_from!r}")
+    xla_flags.resolve(self.xla_preset)  # names the known presets if not one of them
 
 
 def validate_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
@@ -154,10 +189,30 @@ def validate_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
         f"batch_size={cfg.batch_size} is not divisible by the data-parallel size"
         f" {data_parallel} ({axes}) x microbatches={cfg.microbatches}; each microbatch is split"
         " over the data-parallel devices")
-  seq_split = sizes["context"] * (sizes["tensor"] if cfg.mesh.sequence_parallel else 1)
+  stages = sizes["pipeline"]
+  if stages > 1:
+    chunks = stages * cfg.mesh.virtual_stages
+    if cfg.model.moe is not None:
+      raise ValueError("pipeline parallelism does not yet support MoE layers; use pipeline=1")
+    if cfg.model.fp8.enabled:
+      raise ValueError("pipeline parallelism does not yet support model.fp8; use pipeline=1")
+    if cfg.model.num_layers % chunks:
+      raise ValueError(f"model.num_layers={cfg.model.num_layers} is not divisible by pipeline="
+                       f"{stages} x virtual_stages={cfg.mesh.virtual_stages}")
+    schedules.make(cfg.mesh.pipeline_schedule, stages, cfg.microbatches,
+                   cfg.mesh.virtual_stages)  # the schedule's own checks, as one-line errors
+  if cfg.model.collective_matmul and sizes["tensor"] > 1 and not cfg.mesh.sequence_parallel:
+    raise ValueError("model.collective_matmul decomposes sequence parallelism's all-gather and"
+                     " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
+  # Context parallelism splits the sequence into 2 chunks per device (the load-balanced order).
+  chunks = 2 * sizes["context"] if sizes["context"] > 1 else 1
+  seq_split = math.lcm(chunks, sizes["context"] * (sizes["tensor"] if cfg.mesh.sequence_parallel
+                                                   else 1))
   if cfg.seq_len % seq_split:
-    what = "context" + (" x tensor (sequence parallelism)" if cfg.mesh.sequence_parallel else "")
-    raise ValueError(f"seq_len={cfg.seq_len} is not divisible by {what} = {seq_split}")
+    needs = ([f"2 x context = {chunks}"] if chunks > 1 else []) + (
+        [f"context x tensor = {sizes['context'] * sizes['tensor']} (sequence parallelism)"]
+        if cfg.mesh.sequence_parallel else [])
+    raise ValueError(f"seq_len={cfg.seq_len} is not divisible by {' and by '.join(needs)}")
 
 
 def parse_xla_options(text: str) -> dict:
@@ -179,6 +234,13 @@ def parse_xla_options(text: str) -> dict:
         except ValueError:
           options[name.strip()] = value
   return options
+
+
+def compiler_options(cfg: TrainConfig, mesh_sizes: dict[str, int]) -> dict:
+  """The XLA options of the train step on a mesh of these sizes: the preset's (`auto` depends on
+  the mesh), overridden by explicit xla_options."""
+  return xla_flags.compiler_options(cfg.xla_preset, parse_xla_options(cfg.xla_options),
+                                    mesh_sizes)
 
 
 def config_from_dict(cls, values: dict):

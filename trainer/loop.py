@@ -13,10 +13,10 @@ import numpy as np
 from absl import logging
 
 import sharding
-from sharding import compiled, report
+from sharding import compiled, report, xla_flags
 from models import abstract_model, param_names
 from trainer import checkpoint, convert, data, metrics, plot, preemption, sample
-from trainer.config import TrainConfig, parse_xla_options, validate_layout
+from trainer.config import TrainConfig, compiler_options, validate_layout
 from trainer.optim import make_optimizer
 from trainer.state import make_init_fn, state_shardings
 from trainer.step import BATCH_KEYS, make_eval_step, make_train_step
@@ -65,7 +65,9 @@ class Trainer:
       self.graphdef, abstract_params = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
       self.param_rows = report.param_rows(self.names, abstract_params)
-      report.check_replication(self.param_rows, cfg.max_replicated_fraction)
+      report.check_replication(self.param_rows, cfg.max_replicated_fraction,
+                               sharding.layout_rules(sharding.DEFAULT_RULES,
+                                                     sequence_parallel=cfg.mesh.sequence_parallel))
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
       self._init = make_init_fn(cfg.model, self.tx, cfg.seed)
       self.abstract_state = jax.eval_shape(self._init)
@@ -74,10 +76,14 @@ class Trainer:
       self.batch_sharding = {
           k: sharding.named_sharding(("batch", "seq"), shape, f"batch/{k}") for k in BATCH_KEYS}
       replicated = sharding.replicated()
-      options = parse_xla_options(cfg.xla_options)
+      options = xla_flags.check_options(  # fails at start-up, not deep in a run
+          compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
       self.step_fn = make_train_step(self.graphdef, self.names, self.tx, self.lr,
                                      microbatches=cfg.microbatches, z_loss=cfg.z_loss,
-                                     spike_factor=cfg.loss_spike_factor)
+                                     spike_factor=cfg.loss_spike_factor,
+                                     pipeline_schedule=cfg.mesh.pipeline_schedule,
+                                     virtual_stages=cfg.mesh.virtual_stages,
+                                     grad_accum_dtype=cfg.grad_accum_dtype)
       self.train_step = jax.jit(self.step_fn, in_shardings=(self.shardings, self.batch_sharding),
                                 out_shardings=(self.shardings, replicated), donate_argnums=0,
                                 compiler_options=options or None)

@@ -1,4 +1,5 @@
-"""Masked next-token cross-entropy in float32, with optional z-loss; vocab-parallel friendly."""
+"""Masked next-token cross-entropy in float32 (optional z-loss; vocab-parallel friendly), and
+the MoE router losses and metrics in the same summed-over-tokens convention."""
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +37,47 @@ def chunked_cross_entropy_sums(hidden_BLD, head_DV, targets_BL, mask_BL, z_loss:
   return chunked_cross_entropy(
       hidden_BLD, head_DV, targets_BL, mask_BL, z_loss=z_loss, chunk=chunk,
       constrain_logits=lambda x: constrain(x, ("batch", "seq", "act_vocab")))
+
+
+def add_moe_losses(loss_sum, stats: dict, aux: dict, mask_BL, balance_weight: float,
+                   z_weight: float):
+  """Adds the MoE router losses to a summed loss, and their sums and routing counts to stats.
+
+  Both losses are sums over rows, like the next-token loss: each sequence's balance loss times
+  its loss tokens, each token's z-loss times its mask. Dividing by the batch's token count then
+  gives weight x (token-weighted) mean for any split into microbatches and replicas.
+
+  Args:
+    loss_sum: the summed next-token loss.
+    stats: its stats (with "tokens").
+    aux: the model's routing stats (models.moe.summarize).
+    mask_BL: the loss mask.
+    balance_weight: weight of the load-balancing loss.
+    z_weight: weight of the router z-loss.
+  Returns:
+    (loss_sum, stats + {"moe_aux_sum", "moe_z_sum", "moe_dropped", "moe_load" [layers, E]}).
+  """
+  mask = mask_BL.astype(jnp.float32)
+  aux_sum = jnp.sum(aux["aux_loss"] * jnp.sum(mask, axis=1))
+  z_sum = jnp.sum(aux["z_loss"] * mask)
+  loss_sum = loss_sum + balance_weight * aux_sum + z_weight * z_sum
+  counts = jax.lax.stop_gradient((aux["dropped"], aux["load"]))
+  return loss_sum, dict(stats, moe_aux_sum=aux_sum, moe_z_sum=z_sum, moe_dropped=counts[0],
+                        moe_load=counts[1])
+
+
+def moe_metrics(stats: dict, tokens) -> dict:
+  """Per-step MoE metrics from summed stats: mean router losses, the fraction of assignments
+  dropped, and each expert's load as a multiple of its fair share (1 = balanced): min and max
+  over layers and experts, coefficient of variation over experts averaged over layers."""
+  load = stats["moe_load"]
+  total = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
+  share = load * load.shape[-1] / total
+  return {
+      "moe_aux_loss": stats["moe_aux_sum"] / tokens,
+      "moe_z_loss": stats["moe_z_sum"] / tokens,
+      "moe_dropped_fraction": stats["moe_dropped"] / jnp.sum(total),
+      "moe_load_min": jnp.min(share),
+      "moe_load_max": jnp.max(share),
+      "moe_load_cv": jnp.mean(jnp.std(share, axis=-1) / jnp.mean(share, axis=-1)),
+  }

@@ -1,8 +1,15 @@
-"""The optax optimizer from OptimConfig: warmup + cosine, AdamW, clipping, weight-decay mask."""
+"""The optax optimizer from OptimConfig: warmup + cosine, AdamW or Muon, clipping, weight-decay
+mask, and the parameters no optimizer moves (MoE routing biases, fp8 amax histories)."""
+
+import math
 
 import jax
+import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers
 
+from models.fp8 import FP8_HISTORY
+from models.moe import EXPERT_BIAS
 from trainer.config import OptimConfig
 
 
@@ -32,10 +39,95 @@ def decay_mask(cfg: OptimConfig, names) -> dict:
   return jax.tree.map(decays, names, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def frozen_mask(names) -> dict:
+  """True for parameters the optimizer must not move, from their logical names: the MoE routing
+  biases (`expert_bias`) and the fp8 amax histories, which the train step sets itself."""
+  return jax.tree.map(lambda n: EXPERT_BIAS in n or FP8_HISTORY in n, names,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+# Dims that index independent matrices of one parameter: each gets its own orthogonalization.
+_BATCH_DIMS = ("layers", "experts")
+
+
+def muon_dims(names) -> MuonDimensionNumbers | None:
+  """How Muon sees a parameter as fan-in x fan-out matrices, from its logical names; None: not a
+  hidden matrix (embedding, head, norms, router, biases, fp8 state), which AdamW trains.
+
+  Projections are embed -> rest (q/k/v [D, H, Dh], gate/up [D, F]) or rest -> embed
+  (o [H, Dh, D], down [F, D]); `layers` and `experts` are batch dims.
+  """
+  if "vocab" in names or None in names or FP8_HISTORY in names or EXPERT_BIAS in names:
+    return None
+  dims = [i for i, n in enumerate(names) if n not in _BATCH_DIMS]
+  if len(dims) < 2 or "embed" not in (names[i] for i in dims):
+    return None
+  if names[dims[-1]] == "embed":
+    return MuonDimensionNumbers(tuple(dims[:-1]), (dims[-1],))
+  return MuonDimensionNumbers((dims[0],), tuple(dims[1:]))
+
+
+def scale_to_adamw_rms(dims, rms: float) -> optax.GradientTransformation:
+  """Moonlight (arXiv:2502.16982): x rms * sqrt(max(fan_in, fan_out)). An orthogonalized
+  fan_in x fan_out update has RMS 1/sqrt(max(fan_in, fan_out)); this gives it AdamW's ~0.2, so
+  AdamW's learning rate and weight decay carry over."""
+  def scale(u, d):
+    fan_in = math.prod(u.shape[i] for i in d.reduction_axis)
+    fan_out = math.prod(u.shape[i] for i in d.output_axis)
+    return u * jnp.asarray(rms * math.sqrt(max(fan_in, fan_out)), u.dtype)
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(scale, updates, dims,
+                        is_leaf=lambda x: isinstance(x, MuonDimensionNumbers)), state
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _muon(cfg: OptimConfig, names, lr, adamw) -> optax.GradientTransformation:
+  """Muon for hidden matrices, `adamw` for the rest, nothing for frozen parameters.
+
+  Newton-Schulz on sharded matrices: the orthogonalization is plain jnp matmuls (X X^T, then
+  polynomials of it times X) on the update as sharded as its parameter; under GSPMD each matmul
+  runs sharded and XLA inserts the collectives, e.g. with the fan-in dim over `fsdp` an
+  all-reduce of the [m, m] Gram matrix per iteration (m = the smaller dim). Nothing is gathered
+  per matrix. sharding.estimate.muon_newton_schulz counts those FLOPs and bytes.
+  """
+  def label(n):
+    if EXPERT_BIAS in n or FP8_HISTORY in n:
+      return "frozen"
+    return "muon" if muon_dims(n) else "adamw"
+
+  is_names = lambda x: isinstance(x, tuple)
+  labels = jax.tree.map(label, names, is_leaf=is_names)
+  # The Muon branch sees the params with the other labels' leaves masked out (optax.MaskedNode).
+  dims = jax.tree.map(lambda n: muon_dims(n) if label(n) == "muon" else optax.MaskedNode(),
+                      names, is_leaf=is_names)
+  muon = optax.chain(
+      optax.contrib.scale_by_muon(ns_steps=cfg.muon_ns_steps, beta=cfg.muon_beta,
+                                  nesterov=True, weight_dimension_numbers=dims),
+      scale_to_adamw_rms(dims, cfg.muon_rms_scale),
+      optax.add_decayed_weights(cfg.weight_decay),  # decoupled, as AdamW's: lr x wd x w
+      optax.scale_by_learning_rate(lr))
+  return optax.partition({"muon": muon, "adamw": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
 def make_optimizer(cfg: OptimConfig, names, total_steps: int):
-  """Returns (optax transformation, learning-rate schedule)."""
+  """Returns (optax transformation, learning-rate schedule).
+
+  Frozen parameters (see `frozen_mask`) get a zero update (and no weight decay: they are not
+  matrices); without any, the transformation is exactly the plain one (same state tree). The
+  zeroing is chained after AdamW rather than a multi_transform, whose MaskedNode-holding state
+  optax.tree_map_params (state shardings) cannot map.
+  """
   lr = schedule(cfg, total_steps)
   adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=decay_mask(cfg, names))
+  if cfg.name == "muon":
+    tx = _muon(cfg, names, lr, adamw)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx) if cfg.clip_norm else tx
+    return tx, lr
   tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
+  frozen = frozen_mask(names)
+  if any(jax.tree.leaves(frozen)):
+    tx = optax.chain(tx, optax.masked(optax.set_to_zero(), frozen))
   return tx, lr

@@ -41,9 +41,12 @@ def state_shardings(abstract: TrainState, names, tx: optax.GradientTransformatio
   """
   params = sharding.tree_shardings(names, abstract.params, "params", prefix="params/")
   moments = sharding.tree_shardings(names, abstract.params, "opt_state", prefix="opt_state/")
+  # optax.partition (Muon) states hold an empty MaskedNode where a branch skips a parameter.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   opt_state = optax.tree_map_params(
-      tx, lambda _, moment_sharding: moment_sharding, abstract.opt_state, moments,
-      transform_non_params=lambda _: sharding.replicated())
+      tx, lambda moment, moment_sharding: moment if masked(moment) else moment_sharding,
+      abstract.opt_state, moments, transform_non_params=lambda _: sharding.replicated(),
+      is_leaf=masked)
   return TrainState(step=sharding.replicated(), params=params, opt_state=opt_state,
                     rng=sharding.replicated(), loss_ema=sharding.replicated())
 

@@ -1,0 +1,61 @@
+"""MoE presets: a tiny one that trains on CPU, and Mixtral- and DeepSeek-V3-sized ones."""
+
+import dataclasses
+
+from configs import llama
+from models.config import MoEConfig, ModelConfig
+from sharding.mesh import MeshConfig
+from trainer.config import OptimConfig, TrainConfig
+
+MODELS = {
+    # The debug Llama with 8 experts of half its MLP width, top-2: the same active parameters
+    # per token as the dense debug model (+ a 128 x 8 router per layer), 4.5x its MLP weights.
+    "debug_moe": dataclasses.replace(
+        llama.MODELS["debug"],
+        moe=MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=192,
+                      dispatch="dropless")),
+    # Mixtral 8x7B (arXiv:2401.04088; HF config: router_aux_loss_coef 0.02, no z-loss):
+    # 46.7B parameters, 12.9B active.
+    "mixtral_8x7b": ModelConfig(
+        vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=1_000_000.0, norm_eps=1e-5, dtype="bfloat16",
+        moe=MoEConfig(num_experts=8, experts_per_token=2, router="softmax",
+                      load_balance_loss=0.02, router_z_loss=0.0, dispatch="dropless")),
+    # DeepSeek-V3's MoE (arXiv:2412.19437) on GQA attention: 61 layers, 3 dense (MLP 18432),
+    # 256 routed experts of 2048 top-8 + 1 shared, sigmoid router with normalized top-k weights
+    # x 2.5, aux-loss-free bias (rate 0.001) and a tiny balance loss (0.0001). Not modelled:
+    # MLA (here 128 query heads, 8 KV heads of 128), node-limited / group-limited routing
+    # (top-4 of 8 expert groups), the multi-token-prediction module, YaRN RoPE, the
+    # sequence-wise form of the balance loss (ours is batch-wise), fp8 training.
+    "deepseek_v3_like": ModelConfig(
+        vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=8,
+        head_dim=128, mlp_dim=18_432, rope_theta=10_000.0, norm_eps=1e-6, dtype="bfloat16",
+        moe=MoEConfig(num_experts=256, experts_per_token=8, expert_mlp_dim=2048,
+                      num_shared_experts=1, first_dense_layers=3, router="sigmoid",
+                      load_balance_loss=0.0001, router_z_loss=0.0, bias_update_rate=0.001,
+                      routed_scaling=2.5, dispatch="dropless")),
+}
+
+
+def model(name: str) -> ModelConfig:
+  """A fresh copy of a model preset (its MoEConfig copied too)."""
+  cfg = MODELS[name]
+  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe))
+
+
+def debug_moe() -> TrainConfig:
+  """The tiny MoE on the Python standard library sources, like the `debug` Llama.
+
+  Under pure expert parallelism its dense weights (10% of its bytes, more than in real MoEs)
+  stay whole on every device by design: the replication guard allows 20%.
+  """
+  return TrainConfig(model=model("debug_moe"), steps=500, batch_size=32, seq_len=128,
+                     max_replicated_fraction=0.2)
+
+
+def large(name: str) -> TrainConfig:
+  """A real-size MoE with production-like defaults (for compile/plan; train on GPUs)."""
+  return TrainConfig(model=model(name), mesh=MeshConfig(data=1, fsdp=-1), steps=10_000,
+                     batch_size=256, seq_len=4096,
+                     optim=OptimConfig(learning_rate=3e-4, warmup_steps=2000), log_every=1,
+                     eval_every=1000, sample_tokens=0)

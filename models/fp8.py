@@ -1,0 +1,93 @@
+"""fp8 projections with per-tensor delayed scaling: e4m3 operands forward, e5m2 output gradients.
+
+Delayed scaling (Micikevicius et al. 2022, arXiv:2209.05433; Transformer Engine's default
+recipe): each tensor is cast with a scale derived from the amaxes of the previous steps, kept as
+an amax history per tensor (newest first):
+
+    scale = fmax / max(history) / 2^margin       (1 while the history is all zeros)
+    q     = cast_fp8(clip(x * scale, -fmax, fmax)),   x ~ q / scale
+
+The matmul runs on the fp8 operands with a float32 result, which is then divided by both scales.
+
+The histories are parameters (logical name FP8_HISTORY), so they live in the train state and its
+checkpoints with no extra plumbing. Their new values come out of the backward pass as their
+"gradients" (flax's fp8_ops trick): `fp8_einsum` is a custom_vjp whose cotangent for each history
+is that history with this step's amax rolled in. The train step then *overwrites* those leaves
+with it; the optimizer never moves them (trainer/optim.py freezes them, weight decay skips them).
+The amaxes are jnp.max over the whole logical array: under jit with GSPMD XLA reduces a sharded
+operand's max over all its shards (an all-reduce max), so every replica holds the same state.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa (max 448)
+E5M2 = jnp.float8_e5m2  # gradients: more range (max 57344)
+FP8_HISTORY = "fp8_history"  # logical dim name of the amax histories (replicated: unknown name)
+HISTORIES = ("fp8_x", "fp8_w", "fp8_g")  # per projection: input, weight, output gradient
+
+
+def scale_from_history(history: jax.Array, dtype, margin: int) -> jax.Array:
+  """fmax / amax / 2^margin from the largest amax of the window; 1 before any amax is known."""
+  amax = jnp.max(history)
+  scale = jnp.float32(jnp.finfo(dtype).max) / amax / (2.0 ** margin)
+  return jnp.where((amax > 0) & jnp.isfinite(amax), scale, 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """x * scale, saturated to the format's range, cast to fp8 (round to nearest even)."""
+  fmax = jnp.float32(jnp.finfo(dtype).max)
+  return jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
+
+
+def roll_in(history: jax.Array, x: jax.Array) -> jax.Array:
+  """The history with max|x| (over the whole logical array) as the newest entry."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return jnp.concatenate([amax[None], history[:-1]])
+
+
+def _transposed(eqn: str) -> tuple[str, str]:
+  """For `x,w->y`: the einsums giving dx from (dy, w) and dw from (x, dy)."""
+  inputs, out = eqn.split("->")
+  x, w = inputs.split(",")
+  return f"{out},{w}->{x}", f"{x},{out}->{w}"
+
+
+def _dot(eqn, a, b, scale_a, scale_b, dtype):
+  y = jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
+  return (y / (scale_a * scale_b)).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def fp8_einsum(eqn: str, margin: int, x, w, x_history, w_history, g_history):
+  """einsum(eqn, x, w) in fp8; x in the compute dtype (the result's), w in the param dtype.
+
+  Differentiating gives dx and dw (computed from the same fp8 operands and the e5m2 gradient)
+  and, for the three histories, their updated values (see the module docstring).
+  """
+  return _forward(eqn, margin, x, w, x_history, w_history, g_history)[0]
+
+
+def _forward(eqn, margin, x, w, x_history, w_history, g_history):
+  sx, sw = scale_from_history(x_history, E4M3, margin), scale_from_history(w_history, E4M3, margin)
+  qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+  y = _dot(eqn, qx, qw, sx, sw, x.dtype)
+  # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4).
+  residuals = (qx, qw, sx, sw, roll_in(x_history, x), roll_in(w_history, w), g_history,
+               jnp.zeros((), w.dtype))
+  return y, residuals
+
+
+def _backward(eqn, margin, residuals, g):
+  qx, qw, sx, sw, x_history, w_history, g_history, w_zero = residuals
+  sg = scale_from_history(g_history, E5M2, margin)
+  qg = quantize(g, sg, E5M2)
+  dx_eqn, dw_eqn = _transposed(eqn)
+  dx = _dot(dx_eqn, qg, qw, sg, sw, g.dtype)
+  dw = _dot(dw_eqn, qx, qg, sx, sg, w_zero.dtype)
+  return dx, dw, x_history, w_history, roll_in(g_history, g)
+
+
+fp8_einsum.defvjp(_forward, _backward)

@@ -1,0 +1,203 @@
+"""Mixture-of-experts feed-forward: router, aux losses, balancing bias, dropping/dropless dispatch."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import Einsum, logical_param
+from models.mlp import MLP
+from sharding import constrain, dropless_experts
+
+# The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
+# step updates it from the routing counts (DeepSeek-V3's auxiliary-loss-free balancing).
+EXPERT_BIAS = "expert_bias"
+# The dispatched tokens [E, groups, capacity, D] in two layouts: where the tokens are (groups
+# on the batch axes, built and combined locally), and where their experts are (experts on the
+# `expert` axis, which the groups dim then gives up: rules.py lists act_experts before batch).
+# Constraining both makes the move between them an all-to-all each way; with only the second,
+# XLA gathers the tokens for the combine's backward instead.
+AT_TOKENS = (None, "batch", None, "act_embed")
+AT_EXPERTS = ("act_experts", "batch", None, "act_embed")
+AT_EXPERTS_HIDDEN = ("act_experts", "batch", None, "act_mlp")
+
+
+def update_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+  """bias + rate x sign(mean load - load): under-loaded experts become likelier to be chosen."""
+  load = load_E.astype(jnp.float32)
+  return bias_E + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+def summarize(per_layer: dict) -> dict:
+  """The model's routing stats from the MoE layers' (stacked on a leading layer dim).
+
+  Returns:
+    {"aux_loss": [B] balance loss of each sequence, "z_loss": [B, L] z-loss of each token (both
+    means over the layers; trainer/loss.py weights and sums them), "dropped": assignments
+    dropped in all layers, "load": [layers, E] assignments per expert}.
+  """
+  return {"aux_loss": jnp.mean(per_layer["aux_loss"], axis=0),
+          "z_loss": jnp.mean(per_layer["z_loss"], axis=0),
+          "dropped": jnp.sum(per_layer["dropped"]), "load": per_layer["load"]}
+
+
+class Router(nnx.Module):
+  """Scores [B, L, E] in float32, top-k choices and their mixing weights, and the aux stats."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    m = cfg.moe
+    init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+    self.w = logical_param(init(rngs.params(), (cfg.embed_dim, m.num_experts), cfg.param_dtype),
+                           ("embed", None))
+    # float32 whatever the param dtype: the bias moves by small sign steps.
+    self.bias = logical_param(jnp.zeros((m.num_experts,), jnp.float32), (EXPERT_BIAS,)) \
+        if m.bias_update_rate > 0 else None
+    self.kind, self.k, self.scaling = m.router, m.experts_per_token, m.routed_scaling
+
+  def __call__(self, x_BLD: jax.Array):
+    """Returns (ids [B, L, K] int32, weights [B, L, K] float32, stats of this layer)."""
+    logits = jnp.einsum("BLD,DE->BLE", x_BLD.astype(jnp.float32),
+                        self.w[...].astype(jnp.float32))
+    num_experts = logits.shape[-1]
+    if self.kind == "softmax":
+      scores = jax.nn.softmax(logits, axis=-1)
+      probs = scores
+    else:  # sigmoid: independent affinities; their normalized values play the probabilities
+      scores = jax.nn.sigmoid(logits)
+      probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    select = scores if self.bias is None else \
+        scores + jax.lax.stop_gradient(self.bias[...]).reshape(1, 1, num_experts)
+    # The bias picks experts; the scores mix them. A stable sort, not lax.top_k: XLA's TopK
+    # custom call does not partition, and would gather every token's scores (same ids, ties to
+    # the lower index).
+    ids = jnp.argsort(-select, axis=-1, stable=True)[..., :self.k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if self.kind == "sigmoid" or self.k > 1:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights * self.scaling
+    load_BE = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=2)
+    # Switch-style balance per sequence (GShard's groups; DeepSeek-V3's sequence-wise loss):
+    # E x sum_e (fraction of the sequence's assignments to e) x (its mean probability of e),
+    # 1 when uniform. The fractions are counts (no gradient); the probabilities train. Per
+    # sequence, the loss does not depend on how a layout splits the batch into microbatches
+    # and replicas (a batch-wise one would).
+    fraction = jnp.sum(load_BE, axis=1) / (ids.shape[1] * self.k)
+    aux_B = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=1), axis=-1)
+    z_BL = jnp.square(jax.nn.logsumexp(logits, axis=-1))  # ST-MoE router z-loss per token
+    stats = {"aux_loss": aux_B, "z_loss": z_BL, "load": jnp.sum(load_BE, axis=(0, 1))}
+    return ids.astype(jnp.int32), weights, stats
+
+
+class Experts(nnx.Module):
+  """E SwiGLU experts: gate/up [E, D, F], down [E, F, D], experts on the `experts` dim."""
+
+  NAMES = (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed"))
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    e, d, f = cfg.moe.num_experts, cfg.embed_dim, cfg.moe.mlp_dim(cfg.mlp_dim)
+    # fp8 applies to the einsum dispatch ("dropping"); "dropless" runs the weights through
+    # ragged_dot in the compute dtype, so it gets no amax histories.
+    fp8 = cfg.fp8.applies_to("experts") and cfg.moe.dispatch != "dropless"
+    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
+              fp8=cfg.fp8 if fp8 else None)
+    self.gate = Einsum((e, d, f), self.NAMES[0], (1,), **kw)
+    self.up = Einsum((e, d, f), self.NAMES[1], (1,), **kw)
+    self.down = Einsum((e, f, d), self.NAMES[2], (1,), **kw)
+    self.dtype = cfg.dtype
+
+  def weights(self) -> tuple[jax.Array, ...]:
+    return tuple(p.w[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
+
+  def grouped(self, x_AD, group_sizes, gate, up, down):
+    """Rows grouped by expert through their expert's SwiGLU (jax.lax.ragged_dot)."""
+    hidden = jax.nn.silu(jax.lax.ragged_dot(x_AD, gate, group_sizes))
+    hidden = hidden * jax.lax.ragged_dot(x_AD, up, group_sizes)
+    return jax.lax.ragged_dot(hidden, down, group_sizes)
+
+  def every_token(self, x_BLD) -> jax.Array:
+    """Every expert on every token, [B, L, E, D] (the dense reference)."""
+    hidden = jax.nn.silu(self.gate("BLD,EDF->BLEF", x_BLD)) * self.up("BLD,EDF->BLEF", x_BLD)
+    return self.down("BLEF,EFD->BLED", hidden)
+
+
+def capacity(group_size: int, experts_per_token: int, num_experts: int, factor: float) -> int:
+  """Slots per expert per group: factor x its fair share of the group's assignments."""
+  return max(1, min(group_size, math.ceil(group_size * experts_per_token * factor / num_experts)))
+
+
+def dispatch_masks(ids_BLK, weights_BLK, num_experts: int, slots: int):
+  """One-hot dispatch [B, L, E, C] and combine weights [B, L, E, C]; groups are the B rows.
+
+  Slots are handed out first-choice first (all tokens' first choices in sequence order, then the
+  second choices, ...), as in GShard; assignments past an expert's C slots are dropped.
+  Returns (dispatch, combine, dropped assignments).
+  """
+  b, l, k = ids_BLK.shape
+  chosen = jax.nn.one_hot(ids_BLK, num_experts, dtype=jnp.int32)  # [B, L, K, E]
+  by_choice = chosen.transpose(0, 2, 1, 3).reshape(b, k * l, num_experts)
+  position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(b, k, l, num_experts)
+  position = jnp.sum(position.transpose(0, 2, 1, 3) * chosen, axis=-1)  # [B, L, K]
+  kept = (position < slots).astype(jnp.float32)
+  slot = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept[..., None]  # [B, L, K, C]
+  expert = chosen.astype(jnp.float32)
+  dispatch = jnp.einsum("BLKE,BLKC->BLEC", expert, slot)
+  combine = jnp.einsum("BLKE,BLKC,BLK->BLEC", expert, slot, weights_BLK)
+  return dispatch, combine, ids_BLK.size - jnp.sum(kept)
+
+
+class MoE(nnx.Module):
+  """Routed experts (+ shared experts): y = sum_k w_k expert_{i_k}(x) (+ shared(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    m = cfg.moe
+    self.router = Router(cfg, rngs=rngs)
+    self.experts = Experts(cfg, rngs=rngs)
+    shared_dim = m.num_shared_experts * m.mlp_dim(cfg.mlp_dim)
+    self.shared = MLP(dataclasses.replace(cfg, mlp_dim=shared_dim, moe=None), rngs=rngs) \
+        if shared_dim else None
+    self.num_experts, self.k = m.num_experts, m.experts_per_token
+    self.dispatch, self.capacity_factor, self.exchange = m.dispatch, m.capacity_factor, m.exchange
+    self.dtype = cfg.dtype
+
+  def __call__(self, x_BLD: jax.Array, dispatch: str | None = None):
+    """Returns (y [B, L, D], stats {aux_loss [B], z_loss [B, L], dropped, load [E]}).
+
+    Args:
+      x_BLD: the normed residual stream.
+      dispatch: "dropping", "dropless" or "dense" (every expert on every token: the reference);
+        default: the configured one.
+    """
+    ids, weights, stats = self.router(x_BLD)
+    dispatch = dispatch or self.dispatch
+    dropped = jnp.zeros((), jnp.float32)
+    if dispatch == "dropping":
+      y, dropped = self._dropping(x_BLD, ids, weights)
+    elif dispatch == "dropless":
+      y = dropless_experts(self.experts.grouped, x_BLD.astype(self.dtype), ids, weights,
+                           self.experts.weights(), Experts.NAMES, num_experts=self.num_experts,
+                           partial_over="mlp", exchange=self.exchange)
+    elif dispatch == "dense":
+      mix = jnp.sum(jax.nn.one_hot(ids, self.num_experts) * weights[..., None], axis=2)
+      y = jnp.einsum("BLE,BLED->BLD", mix.astype(self.dtype), self.experts.every_token(x_BLD))
+    else:
+      raise ValueError(f"unknown MoE dispatch {dispatch!r}")
+    if self.shared is not None:
+      y = y + self.shared(x_BLD)
+    return y, dict(stats, dropped=dropped)
+
+  def _dropping(self, x_BLD, ids, weights):
+    """GShard: dispatch einsum to [E, B, C, D], experts, combine einsum. With experts on the
+    `expert` axis and tokens on the batch axes, XLA turns the two layout changes into
+    all-to-alls (forward and backward)."""
+    slots = capacity(x_BLD.shape[1], self.k, self.num_experts, self.capacity_factor)
+    dispatch, combine, dropped = dispatch_masks(ids, weights, self.num_experts, slots)
+    x = jnp.einsum("BLEC,BLD->EBCD", dispatch.astype(self.dtype), x_BLD.astype(self.dtype))
+    x = constrain(constrain(x, AT_TOKENS), AT_EXPERTS)  # all-to-all to the experts
+    hidden = jax.nn.silu(constrain(self.experts.gate("EBCD,EDF->EBCF", x), AT_EXPERTS_HIDDEN))
+    hidden = hidden * constrain(self.experts.up("EBCD,EDF->EBCF", x), AT_EXPERTS_HIDDEN)
+    out = constrain(self.experts.down("EBCF,EFD->EBCD", hidden), AT_EXPERTS)
+    out = constrain(out, AT_TOKENS)  # all-to-all back to the tokens
+    return jnp.einsum("BLEC,EBCD->BLD", combine.astype(self.dtype), out), dropped

@@ -1,0 +1,250 @@
+"""Collective matmul for tensor/sequence parallelism: ppermute steps that overlap the matmuls."""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sharding.context import _CURRENT, spec
+from sharding.mesh import LayoutError
+
+Names = Sequence[str | None]
+
+
+def _dot(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+  """x's last `contract` dims against w's first `contract` dims."""
+  return jnp.tensordot(x, w, axes=contract)
+
+
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, gather_dim: int = 0,
+                      contract: int = 1) -> jax.Array:
+  """`all_gather(x, axis_name, axis=gather_dim, tiled=True) . w` in N steps (per device, inside
+  shard_map). Step s multiplies the chunk that started on device (i - s) mod N while the next
+  chunk travels one hop around the ring, so only the first chunk's matmul waits for nothing and
+  each of the N - 1 transfers can hide behind a matmul.
+
+  Args:
+    x: This device's shard, split over `axis_name` on `gather_dim` (a dim that is not contracted).
+    w: Weights; its first `contract` dims contract with x's last `contract` dims.
+    axis_name: The mesh axis to gather over (a single axis).
+    gather_dim: The dim of x (and of the result) that is gathered.
+    contract: How many trailing dims of x are contracted.
+
+  Returns:
+    x.shape[:-contract] + w.shape[contract:], with gather_dim N times larger.
+  """
+  n = jax.lax.axis_size(axis_name)
+  gather_dim %= x.ndim
+  if gather_dim >= x.ndim - contract:
+    raise ValueError(f"gather_dim {gather_dim} of x {x.shape} is contracted")
+  if n == 1:
+    return _dot(x, w, contract)
+  me = jax.lax.axis_index(axis_name)
+  size = x.shape[gather_dim]
+  to_next = [(j, (j + 1) % n) for j in range(n)]
+  chunk, out = x, None
+  for step in range(n):
+    # Sent before this step's matmul uses the chunk: the transfer and the matmul are independent.
+    incoming = jax.lax.ppermute(chunk, axis_name, to_next) if step < n - 1 else None
+    block = _dot(chunk, w, contract)
+    if out is None:
+      shape = list(block.shape)
+      shape[gather_dim] *= n
+      out = jnp.zeros(shape, block.dtype)
+    start = ((me - step) % n) * size
+    out = jax.lax.dynamic_update_slice_in_dim(out, block, start, gather_dim)
+    if incoming is not None:
+      # Orders step s's matmul before step s+1's: without it XLA sees N independent matmuls of
+      # one weight and merges them into one (DotMerger), which then waits for every transfer.
+      incoming, out = jax.lax.optimization_barrier((incoming, out))
+    chunk = incoming
+  return out
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *, scatter_dim: int = 0,
+                          contract: int = 1) -> jax.Array:
+  """`psum_scatter(x . w, axis_name, scatter_dimension=scatter_dim, tiled=True)` in N steps (per
+  device, inside shard_map): a partial sum travels the ring, and each device adds its own
+  contribution for that block before passing it on. Block (i - s - 1) mod N is computed at step
+  s, so after N - 1 hops device i holds block i; each hop can hide behind the next block's matmul.
+
+  Args:
+    x: This device's shard; its contracted dims are split over `axis_name` (partial sums).
+    w: This device's weights; first `contract` dims contract with x's last `contract` dims.
+    axis_name: The mesh axis to reduce and scatter over (a single axis).
+    scatter_dim: The dim of the result (a non-contracted dim of x) that is scattered.
+    contract: How many trailing dims of x are contracted.
+
+  Returns:
+    x.shape[:-contract] + w.shape[contract:], with scatter_dim N times smaller.
+  """
+  n = jax.lax.axis_size(axis_name)
+  scatter_dim %= x.ndim
+  if scatter_dim >= x.ndim - contract:
+    raise ValueError(f"scatter_dim {scatter_dim} of x {x.shape} is contracted")
+  if n == 1:
+    return _dot(x, w, contract)
+  if x.shape[scatter_dim] % n:
+    raise ValueError(f"dim {scatter_dim} of x {x.shape} does not split over {n} devices")
+  me = jax.lax.axis_index(axis_name)
+  size = x.shape[scatter_dim] // n
+  to_next = [(j, (j + 1) % n) for j in range(n)]
+
+  def part(step, x):
+    rows = jax.lax.dynamic_slice_in_dim(x, ((me - step - 1) % n) * size, size, scatter_dim)
+    return _dot(rows, w, contract)
+
+  acc = part(0, x)
+  for step in range(1, n):
+    # x passes the barrier with the running sum, so the next block's matmul cannot be merged
+    # with this one's (XLA would compute every block in one matmul before the first transfer).
+    acc, x = jax.lax.optimization_barrier((acc, x))
+    acc = jax.lax.ppermute(acc, axis_name, to_next) + part(step, x)
+  return acc
+
+
+def _split(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _collective_axis(wide: tuple, narrow: tuple, what: str) -> str | None:
+  """The one mesh axis by which `wide` (the sharded side) exceeds `narrow`, as its minor part."""
+  if wide == narrow:
+    return None
+  if wide[:len(narrow)] != narrow or len(wide) != len(narrow) + 1:
+    raise LayoutError(f"{what}: the dim is split over {wide or 'nothing'} on one side and"
+                      f" {narrow or 'nothing'} on the other; a collective matmul needs them to"
+                      " differ by one minor mesh axis")
+  return wide[-1]
+
+
+def _logical(x, w, x_names, out_names, contract, kind, what):
+  """Specs, collective axis and dim for a collective matmul in the current context."""
+  ctx = _CURRENT.get()
+  out_shape = x.shape[:-contract] + w.shape[contract:]
+  x_spec = spec(x_names, x.shape, f"{what} input")
+  out_spec = spec(out_names, out_shape, f"{what} output")
+  x_axes = [_split(e) for e in tuple(x_spec) + (None,) * (x.ndim - len(x_spec))]
+  out_axes = [_split(e) for e in tuple(out_spec) + (None,) * (len(out_shape) - len(out_spec))]
+  lead = x.ndim - contract
+  found = []
+  for d in range(lead):
+    wide, narrow = (x_axes[d], out_axes[d]) if kind == "gather" else (out_axes[d], x_axes[d])
+    if (axis := _collective_axis(wide, narrow, f"{what} dim {d}")) is not None:
+      found.append((d, axis))
+  if len(found) > 1:
+    raise LayoutError(f"{what}: dims {[d for d, _ in found]} all change sharding; a collective"
+                      " matmul handles one")
+  # The contracted dims: replicated for an all-gather matmul, split over the collective axis
+  # (partial sums to reduce) for a matmul-reduce-scatter.
+  contracted = {a for d in range(lead, x.ndim) for a in x_axes[d]}
+  expected = {found[0][1]} if kind == "scatter" and found else set()
+  if contracted != expected:
+    raise LayoutError(f"{what}: contracted dims of x split over {sorted(contracted)}, expected"
+                      f" {sorted(expected) or 'none'}")
+  w_spec = jax.sharding.PartitionSpec(*(_entry(x_axes[d]) for d in range(lead, x.ndim)),
+                                       *(_entry(a) for a in out_axes[lead:]))
+  return ctx.mesh, x_spec, w_spec, out_spec, (found[0] if found else None)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _run(kind: str, x, w, x_names, out_names, contract, what):
+  if _CURRENT.get() is None:
+    return _dot(x, w, contract)
+  mesh, x_spec, w_spec, out_spec, found = _logical(x, w, x_names, out_names, contract, kind,
+                                                   what)
+  if found is None:  # nothing to gather or scatter in this layout: a plain sharded matmul
+    per_device = lambda a, b: _dot(a, b, contract)  # noqa: E731
+  elif kind == "gather":
+    dim, axis = found
+    per_device = lambda a, b: all_gather_matmul(  # noqa: E731
+        a, b, axis, gather_dim=dim, contract=contract)
+  else:
+    dim, axis = found
+    per_device = lambda a, b: matmul_reduce_scatter(  # noqa: E731
+        a, b, axis, scatter_dim=dim, contract=contract)
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)(x, w)
+
+
+def logical_all_gather_matmul(x: jax.Array, w: jax.Array, x_names: Names, out_names: Names, *,
+                              contract: int = 1) -> jax.Array:
+  """`x . w` (x's last `contract` dims against w's first) where x is split on one more mesh axis
+  than the result on one dim (sequence parallelism: x's `res_seq` over `tensor`, the result's
+  `seq` not): the gather over that axis runs as `all_gather_matmul` under shard_map.
+
+  The weights are taken split as the result's dims require (e.g. `mlp` over `tensor`) and whole
+  elsewhere, so FSDP-sharded weights are all-gathered on the way in. Outside a sharding context,
+  or when the layout splits nothing more, it is the plain matmul.
+
+  Args:
+    x: Activations, e.g. [B, L, D] named ("batch", "res_seq", "act_embed").
+    w: Weights, e.g. [D, F].
+    x_names: Logical names of x's dims.
+    out_names: Logical names of the result's dims, e.g. ("batch", "seq", "act_mlp").
+    contract: How many trailing dims of x are contracted.
+  """
+  return _run("gather", x, w, x_names, out_names, contract, "all_gather_matmul")
+
+
+def logical_matmul_reduce_scatter(x: jax.Array, w: jax.Array, x_names: Names, out_names: Names,
+                                  *, contract: int = 1) -> jax.Array:
+  """`x . w` where x's contracted dims are split over a mesh axis (row-parallel: partial sums)
+  and the result is split over that axis on one more dim (sequence parallelism: `res_seq` over
+  `tensor`): the reduction runs as `matmul_reduce_scatter` under shard_map. Arguments as for
+  `logical_all_gather_matmul`, e.g. x [B, L, F] ("batch", "seq", "act_mlp"), result names
+  ("batch", "res_seq", "act_embed").
+  """
+  return _run("scatter", x, w, x_names, out_names, contract, "matmul_reduce_scatter")
+
+
+def sp_mlp(x, w_in, w_out, collective: bool = True):
+  """A sequence-parallel two-matmul block (the shape of a Megatron SP MLP): x [B, L, D]
+  ("batch", "res_seq", "act_embed") -> same names. `collective`: with the two collective
+  matmuls; else the plain matmuls with sharding constraints (XLA's all-gather and
+  reduce-scatter), the baseline."""
+  res, mlp = ("batch", "res_seq", "act_embed"), ("batch", "seq", "act_mlp")
+  if collective:
+    hidden = logical_all_gather_matmul(x, w_in, res, mlp)
+    return logical_matmul_reduce_scatter(jax.nn.silu(hidden), w_out, mlp, res)
+  from sharding.context import constrain  # the baseline only
+  hidden = constrain(_dot(x, w_in, 1), mlp)
+  return constrain(_dot(jax.nn.silu(hidden), w_out, 1), res)
+
+
+def _compile_for_gpus(target_name: str, tensor: int, grad: bool, collective: bool,
+                      dims: tuple[int, int, int, int]) -> str:
+  """The scheduled HLO of `sp_mlp` (or its gradient) for x [B, L, D], w_in [D, F] on a
+  deviceless GPU target with the default preset's options; for the subprocess entry below."""
+  from sharding import compiled, xla_flags
+  from sharding.context import named_sharding, use_rules
+  from sharding.mesh import MeshConfig, make_mesh
+  from sharding.rules import DEFAULT_RULES, layout_rules
+  target = compiled.parse_gpu_target(target_name)
+  devices = compiled.gpu_devices(target)
+  mesh = make_mesh(MeshConfig(data=-1, tensor=tensor), devices)
+  b, l, d, f = dims
+  shapes = {"x": ((b, l, d), ("batch", "res_seq", "act_embed")),
+            "w_in": ((d, f), ("embed", "mlp")), "w_out": ((f, d), ("mlp", "embed"))}
+  with use_rules(mesh, layout_rules(DEFAULT_RULES, sequence_parallel=True)):
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(names, shape))
+            for shape, names in shapes.values()]
+    fn = lambda *a: sp_mlp(*a, collective=collective)  # noqa: E731
+    if grad:
+      fn = jax.grad(lambda *a: jnp.sum(sp_mlp(*a, collective=collective).astype(jnp.float32)
+                                       ** 2), argnums=(0, 1, 2))
+    lowered = jax.jit(fn).lower(*args)
+  options = xla_flags.compiler_options(xla_flags.DEFAULT_PRESET, mesh_sizes=dict(mesh.shape))
+  return lowered.compile(compiler_options=options).as_text()
+
+
+if __name__ == "__main__":
+  # python -m sharding.collective_matmul TARGET TENSOR [grad] [plain] [dims=B,L,D,F] > out.hlo
+  # (JAX_PLATFORMS=cpu, the gpu-aot extra): a bare-function deviceless compile in a subprocess.
+  import sys
+  flags = sys.argv[3:]
+  sizes = [a[len("dims="):] for a in flags if a.startswith("dims=")]
+  print(_compile_for_gpus(sys.argv[1], int(sys.argv[2]), "grad" in flags, "plain" not in flags,
+                          tuple(int(v) for v in (sizes or ["2,1024,512,2048"])[0].split(","))))

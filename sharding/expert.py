@@ -1,0 +1,195 @@
+"""Expert parallelism for dropless MoE: per-device sort, all-to-all token exchange, grouped FFN."""
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from sharding.context import _CURRENT, mesh_sizes, spec
+from sharding.mesh import LayoutError
+
+Names = tuple[str | None, ...]
+TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, K]
+EXCHANGES = ("auto", "padded", "ragged")
+
+
+def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
+                     weights_BLK: jax.Array, params: Sequence[jax.Array],
+                     param_names: Sequence[Names], *, num_experts: int,
+                     partial_over: str | None = None, exchange: str = "auto") -> jax.Array:
+  """y[t] = sum_k weights[t, k] * expert_fn_{ids[t, k]}(x[t]): every assignment computed.
+
+  In a sharding context this runs per device under `jax.shard_map` over the whole mesh, with
+  specs from logical names: tokens keep their batch/seq sharding and are sorted by expert
+  locally; each param's first dim (the experts) keeps its mesh axes, and when those axes have
+  N > 1 devices, the tokens travel to the devices holding their experts and back by all-to-all
+  (a padded buffer of worst-case size, or `ragged_all_to_all` on GPUs). Param dims named
+  `partial_over` (e.g. the expert hidden dim over `tensor`) stay split: `expert_fn` then
+  returns partial sums, reduced by psum at the end. Every other param dim is gathered by XLA
+  before the region (e.g. `embed` over fsdp; its gradient is reduce-scattered back).
+
+  Args:
+    expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params) -> [A, D]; rows are
+      grouped by local expert in order, rows past sum(group_sizes) are padding (ignored).
+    x_BLD: tokens.
+    ids_BLK: int expert of each of the K assignments of a token.
+    weights_BLK: mixing weight of each assignment.
+    params: expert weights, each with the experts as its first dim.
+    param_names: logical names of each param (its first must be the experts' name).
+    num_experts: E.
+    partial_over: logical name of param dims whose split makes expert_fn's output partial.
+    exchange: "padded", "ragged" (XLA:CPU cannot run it) or "auto" (ragged on GPUs).
+  Returns:
+    y [B, L, D] in x's dtype and sharding.
+  """
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
+  ctx = _CURRENT.get()
+  static = dict(expert_fn=expert_fn, num_experts=num_experts)
+  if ctx is None:
+    return _per_device(x_BLD, ids_BLK, weights_BLK, *params, expert_axes=(), partial_axes=(),
+                       exchange="padded", **static)
+
+  def keep(names):  # the experts dim and the partial dims keep their axes; the rest is gathered
+    return tuple(n if i == 0 or n == partial_over else None for i, n in enumerate(names))
+
+  param_specs = [spec(keep(n), p.shape, f"moe expert param {i}")
+                 for i, (n, p) in enumerate(zip(param_names, params))]
+  expert_axes = _axes(param_specs[0][0])
+  partial_axes = tuple(sorted({a for s, names in zip(param_specs, param_names)
+                               for entry, n in zip(s, names) if n == partial_over
+                               for a in _axes(entry)}))
+  sizes = mesh_sizes(ctx.mesh)
+  shards = math.prod(sizes[a] for a in expert_axes)
+  if num_experts % shards:
+    raise LayoutError(f"moe: {num_experts} experts cannot be split over"
+                      f" {' x '.join(f'{a}={sizes[a]}' for a in expert_axes)}")
+  if exchange == "auto":
+    exchange = "padded" if ctx.mesh.devices.flat[0].platform == "cpu" else "ragged"
+  token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
+  choice_spec = spec(TOKEN_NAMES, ids_BLK.shape, "moe expert choices")
+
+  def body(x, ids, weights, *local_params):
+    return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
+                       partial_axes=partial_axes, exchange=exchange, **static)
+
+  mapped = jax.shard_map(body, mesh=ctx.mesh,
+                         in_specs=(token_spec, choice_spec, choice_spec, *param_specs),
+                         out_specs=token_spec)
+  return mapped(x_BLD, ids_BLK, weights_BLK, *params)
+
+
+@jax.custom_vjp
+@custom_vmap
+def _batch_like(w, x):
+  """w, unchanged; but under jax.vmap of x (gradient accumulation vmaps the loss over
+  microbatch replicas), w broadcast along the vmapped dim, because jax.lax.ragged_dot has no
+  batching rule for unbatched weights (JAX 0.10: "vmap over any dim but 0 - NYI")."""
+  del x
+  return w
+
+
+@_batch_like.def_vmap
+def _batch_like_rule(axis_size, in_batched, w, x):
+  del x
+  if in_batched[0] or not in_batched[1]:
+    return w, in_batched[0]
+  return jnp.broadcast_to(w, (axis_size, *w.shape)), True
+
+
+# custom_vmap has no reverse mode: the identity's gradient is given here (per replica under vmap).
+_batch_like.defvjp(lambda w, x: (_batch_like(w, x), None), lambda _, g: (g, None))
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _per_device(x_BLD, ids_BLK, weights_BLK, *params, expert_fn, num_experts, expert_axes,
+                partial_axes, exchange):
+  """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
+  b, l, d = x_BLD.shape
+  k = ids_BLK.shape[-1]
+  tokens, assignments = b * l, b * l * k
+  expert = ids_BLK.reshape(assignments).astype(jnp.int32)
+  order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
+  x_sorted = x_BLD.reshape(tokens, d)[order // k]
+  counts = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
+  params = [_batch_like(p, x_sorted) for p in params]
+  if not expert_axes:
+    y_sorted = expert_fn(x_sorted, counts, *params)
+  else:
+    exchange_fn = _ragged_exchange if exchange == "ragged" else _padded_exchange
+    y_sorted = exchange_fn(x_sorted, counts, params, expert_fn, expert_axes,
+                           capacity=tokens * min(k, num_experts // _size(expert_axes)))
+  y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(tokens, k, d)
+  y = jnp.sum(y * weights_BLK.reshape(tokens, k, 1).astype(y.dtype), axis=1)
+  if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
+    y = jax.lax.psum(y, partial_axes)
+  return y.reshape(b, l, d).astype(x_BLD.dtype)
+
+
+def _size(axes) -> int:
+  return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _run_received(recv, recv_counts, params, expert_fn):
+  """Received rows [N, cap, D] from each source (each sorted by local expert) -> expert_fn's
+  outputs in the same slots. Rows are regrouped expert-major for the grouped matmul."""
+  n, cap, d = recv.shape
+  ends = jnp.cumsum(recv_counts, axis=1)  # [N, E_local]
+  slot = jnp.arange(cap)
+  # Local expert of each slot: how many group ends it has passed (a compare-and-count, not
+  # searchsorted, whose batching under shard_map + vmap(spmd_axis_name) JAX 0.10 mistypes).
+  local = jnp.sum(ends[:, :, None] <= slot[None, None, :], axis=1)  # [N, cap]
+  key = local.reshape(n * cap)  # == E_local for padding rows: they sort last
+  regroup = jnp.argsort(key, stable=True)
+  group_sizes = jnp.sum(recv_counts, axis=0)
+  out = expert_fn(recv.reshape(n * cap, d)[regroup], group_sizes, *params)
+  out = jnp.where((jnp.arange(n * cap) < jnp.sum(group_sizes))[:, None], out, 0)
+  return jnp.zeros_like(out).at[regroup].set(out).reshape(n, cap, d)
+
+
+def _padded_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
+  """all_to_all of [N, capacity, D] buffers: row j holds the tokens for device j's experts
+  (capacity = the most one device can receive from another, so nothing is ever dropped)."""
+  n = _size(axes)
+  a, d = x_sorted.shape
+  per_device = counts.reshape(n, -1)  # [N, E_local]: tokens for each expert of each device
+  sent = jnp.sum(per_device, axis=1)
+  start = jnp.cumsum(sent) - sent
+  slot = jnp.arange(capacity)
+  rows = jnp.clip(start[:, None] + slot[None], 0, a - 1)  # [N, cap]
+  valid = slot[None] < sent[:, None]
+  send = jnp.where(valid[..., None], x_sorted[rows], 0)
+  recv = jax.lax.all_to_all(send, axes, 0, 0)
+  recv_counts = jax.lax.all_to_all(per_device, axes, 0, 0)
+  back = jax.lax.all_to_all(_run_received(recv, recv_counts, params, expert_fn), axes, 0, 0)
+  # Sorted assignment i went to device dest[i] at slot i - start[dest[i]].
+  dest = jnp.sum(jnp.cumsum(sent)[None, :] <= jnp.arange(a)[:, None], axis=1)
+  return back[dest, jnp.arange(a) - start[dest]]
+
+
+def _ragged_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
+  """The same exchange with ragged_all_to_all: only the real rows travel (GPU)."""
+  n = _size(axes)
+  a, d = x_sorted.shape
+  me = jax.lax.axis_index(axes)
+  per_device = counts.reshape(n, -1)
+  sent = jnp.sum(per_device, axis=1).astype(jnp.int32)
+  start = (jnp.cumsum(sent) - sent).astype(jnp.int32)
+  recv_counts = jax.lax.all_to_all(per_device, axes, 0, 0)
+  received = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
+  their_start = jax.lax.all_to_all(start.reshape(n, 1), axes, 0, 0).reshape(n)
+  slots = (jnp.arange(n, dtype=jnp.int32) * capacity).astype(jnp.int32)
+  # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity.
+  recv = jax.lax.ragged_all_to_all(
+      x_sorted, jnp.zeros((n * capacity, d), x_sorted.dtype), start, sent,
+      jnp.full((n,), me * capacity, jnp.int32), received, axis_name=axes)
+  out = _run_received(recv.reshape(n, capacity, d), recv_counts, params, expert_fn)
+  # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
+  return jax.lax.ragged_all_to_all(
+      out.reshape(n * capacity, d), jnp.zeros((a, d), out.dtype), slots, received,
+      their_start, sent, axis_name=axes)

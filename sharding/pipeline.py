@@ -1,0 +1,212 @@
+"""Pipeline parallelism inside one SPMD program: a schedule's tick table run under shard_map over
+the pipeline axis, with ppermute between stages and a manual backward (jax.vjp)."""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from sharding import schedules as sched
+from sharding.context import _CURRENT, excluding, mesh_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+  """The model cut into pipeline pieces (pure functions of their parameters).
+
+  first(shared, microbatch) -> x: the embedding (position 0 of the pipeline).
+  stage(shared, chunk, x, microbatch) -> x: one chunk of layers (`chunk` has a leading layers
+    dim; `shared` is passed so the model can be rebuilt, its gradient through `stage` is 0).
+  last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss.
+  """
+
+  first: Callable
+  stage: Callable
+  last: Callable
+
+
+def pipeline_axes() -> tuple[str, ...]:
+  """Mesh axes (size > 1) splitting the `layers` dim: the pipeline stages; () without them."""
+  ctx = _CURRENT.get()
+  if ctx is None:
+    return ()
+  sizes = mesh_sizes(ctx.mesh)
+  return tuple(a for a in dict(ctx.rules).get("layers", ()) if sizes[a] > 1)
+
+
+def pipeline_stages() -> int:
+  """How many pipeline stages the current layout has (1: no pipeline parallelism)."""
+  ctx = _CURRENT.get()
+  return 1 if ctx is None else math.prod(mesh_sizes(ctx.mesh)[a] for a in pipeline_axes())
+
+
+def _chunk_order(stages: int, virtual: int) -> jnp.ndarray:
+  """Interleaving: device s holds chunks s, s+S, s+2S, ...; storage keeps model order, so the
+  chunks are permuted into device order for the step (and the gradients back)."""
+  return jnp.asarray([c * stages + s for s in range(stages) for c in range(virtual)])
+
+
+def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict):
+  """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
+
+  Args:
+    fns: the model's pieces.
+    schedule: from sharding.schedules.make (stages = pipeline size).
+    layers: pytree of stacked layer weights [L, ...], L divisible by stages x virtual.
+    shared: pytree of the other weights (embedding, final norm, head), replicated over stages.
+    data: the microbatches, replicated over stages.
+  Returns:
+    (layer gradients [L, ...], shared gradients, loss_sum, stats), summed over microbatches.
+  """
+  axes = pipeline_axes()
+  axis = axes[0]
+  stages, virtual = schedule.stages, schedule.virtual
+  slots, last_position = schedule.buffer_slots(), stages * virtual - 1
+  table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
+                     jnp.asarray(schedule.chunk)], axis=-1)  # [T, S, 3]
+  order = _chunk_order(stages, virtual)
+  used = sorted({int(o) for o in np.unique(schedule.op)} | {sched.IDLE})  # operations present
+
+  def to_chunks(tree, inverse=False):  # [L, ...] <-> device-ordered chunks [S*v, L/(S*v), ...]
+    def one(w):
+      chunks = w.reshape(stages * virtual, w.shape[0] // (stages * virtual), *w.shape[1:])
+      perm = jnp.argsort(order) if inverse else order
+      return (chunks if virtual == 1 else jnp.take(chunks, perm, axis=0)).reshape(w.shape)
+    return jax.tree.map(one, tree)
+
+  def per_device(layers, shared, data):
+    with excluding(axes):
+      return _run(fns, table, used, slots, last_position, stages, virtual, axis, layers,
+                  shared, data)
+
+  specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
+  mapped = jax.shard_map(
+      per_device, mesh=_CURRENT.get().mesh, axis_names={axis},
+      in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
+                specs(data, PartitionSpec())),
+      out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
+                 PartitionSpec(), PartitionSpec()))
+  layer_grads, shared_grads, loss_sum, stats = mapped(to_chunks(layers), shared, data)
+  return to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats
+
+
+def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, shared, data):
+  """One device's part: a scan over the ticks of the table."""
+  me = jax.lax.axis_index(axis)
+  local = jax.tree.map(lambda w: w.reshape(virtual, w.shape[0] // virtual, *w.shape[1:]), layers)
+  first_mb = jax.tree.map(lambda a: a[0], data)
+  act = jax.eval_shape(fns.first, shared, first_mb)
+  (_, stats_shape) = jax.eval_shape(fns.last, shared, act, first_mb)
+  # Every value here differs per stage: zeros too are typed as varying over the pipeline axis,
+  # so the branches of the per-stage switch agree on their types.
+  vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), tree)
+  zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree))
+  buffer = vary(jnp.zeros((virtual, slots, *act.shape), act.dtype))
+  # The shared weights are replicated over stages; as varying values their gradients stay
+  # per stage (no implicit psum inside a branch only one stage takes) and are summed at the end.
+  shared = vary(shared)
+  carry = dict(inputs=buffer, grads=buffer, layer_acc=zeros(local), shared_acc=zeros(shared),
+               loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape))
+
+  def accumulate(carry, c, d_layers, d_shared, loss, stats):
+    carry = dict(carry)
+    carry["layer_acc"] = jax.tree.map(lambda a, d: a.at[c].add(d), carry["layer_acc"], d_layers)
+    carry["shared_acc"] = jax.tree.map(jnp.add, carry["shared_acc"], d_shared)
+    carry["loss"] = carry["loss"] + loss
+    carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
+    return carry
+
+  branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(used)].set(jnp.arange(len(used)))
+
+  def tick(carry, t):
+    op, m, c = table[t, me, 0], table[t, me, 1], table[t, me, 2]
+    slot, position = m % slots, c * stages + me
+    mb = jax.tree.map(lambda a: a[m], data)
+    chunk = jax.tree.map(lambda w: w[c], local)
+    x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
+    nothing = vary(jnp.zeros(act.shape, act.dtype))
+    no_loss = vary(jnp.zeros((), jnp.float32))
+    none_stats = zeros(stats_shape)
+    # where = 0 middle, 1 first, 2 last position of the whole pipeline
+    where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
+
+    def vjps(wrt_params: bool, wrt_x: bool):
+      """(d_chunk, d_shared, dx, loss, stats) of this microbatch's stage by recomputation."""
+      def middle():
+        _, pullback = jax.vjp(lambda p, x: fns.stage(shared, p, x, mb), chunk, x)
+        d_chunk, dx = pullback(g)
+        return d_chunk, zeros(shared), dx, no_loss, none_stats
+
+      def first():
+        _, pullback = jax.vjp(lambda s, p: fns.stage(s, p, fns.first(s, mb), mb), shared, chunk)
+        d_shared, d_chunk = pullback(g)
+        return d_chunk, d_shared, nothing, no_loss, none_stats
+
+      def last():
+        (loss, stats), pullback = jax.vjp(
+            lambda s, p, x: fns.last(s, fns.stage(s, p, x, mb), mb), shared, chunk, x)
+        d_shared, d_chunk, dx = pullback((jnp.ones_like(loss), zeros(stats)))
+        return d_chunk, d_shared, dx, loss, stats
+
+      d_chunk, d_shared, dx, loss, stats = jax.lax.switch(where, (middle, first, last))
+      if not wrt_params:
+        d_chunk, d_shared = zeros(chunk), zeros(shared)
+      if not wrt_x:
+        dx = nothing
+      return d_chunk, d_shared, dx, loss, stats
+
+    def idle(carry):
+      return carry, nothing, nothing
+
+    def forward(carry):
+      # The last position's forward is recomputed by its backward; only store nothing here.
+      x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
+      y = jax.lax.cond(where == 2, lambda: nothing, lambda: fns.stage(shared, chunk, x_in, mb))
+      return carry, y, nothing
+
+    def backward(carry, wrt_params=True, wrt_x=True, count_loss=True):
+      d_chunk, d_shared, dx, loss, stats = vjps(wrt_params, wrt_x)
+      if not count_loss:
+        loss, stats = no_loss, none_stats
+      return accumulate(carry, c, d_chunk, d_shared, loss, stats), nothing, dx
+
+    branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: backward,
+                sched.BACKWARD_INPUT: lambda carry: backward(carry, wrt_params=False),
+                sched.BACKWARD_WEIGHT: lambda carry: backward(carry, wrt_x=False,
+                                                              count_loss=False)}
+    # Only the operations this schedule uses are compiled (each backward holds three vjps).
+    carry, send_forward, send_backward = jax.lax.switch(
+        branch_of[op], [branches[o] for o in used], carry)
+    ring = [(i, (i + 1) % stages) for i in range(stages)]
+    got_forward = jax.lax.ppermute(send_forward, axis, ring)
+    got_backward = jax.lax.ppermute(send_backward, axis, [(j, i) for i, j in ring])
+    carry = dict(carry)
+    carry["inputs"] = _receive(carry["inputs"], got_forward, table[t], me, stages, slots,
+                               last_position, forward=True)
+    carry["grads"] = _receive(carry["grads"], got_backward, table[t], me, stages, slots,
+                              last_position, forward=False)
+    return carry, None
+
+  carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.shape[0]))
+  layer_grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["layer_acc"])
+  psum = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axis), tree)
+  return layer_grads, psum(carry["shared_acc"]), psum(carry["loss"]), psum(carry["stats"])
+
+
+def _receive(buffer, message, row, me, stages, slots, last_position, forward: bool):
+  """Stores what the neighbour sent this tick, if it sent anything: a forward output from the
+  previous stage becomes an input here; an input gradient from the next stage, a gradient."""
+  peer = (me - 1) % stages if forward else (me + 1) % stages
+  op, m, c = row[peer, 0], row[peer, 1], row[peer, 2]
+  position = c * stages + peer
+  if forward:
+    sent = (op == sched.FORWARD) & (position != last_position)
+    chunk = jnp.where(me == 0, c + 1, c)  # wrapping around the ring: the next virtual chunk
+  else:
+    sent = ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT)) & (position != 0)
+    chunk = jnp.where(me == stages - 1, c - 1, c)
+  return jax.lax.cond(sent, lambda: buffer.at[chunk, m % slots].set(message), lambda: buffer)

@@ -1,0 +1,125 @@
+"""The benchmark scripts work, and the property the benchmarks rely on: no recompilation after the
+first step, on the AOT path (`Trainer.compiled_step`) and on the jitted path (`Trainer.train_step`,
+`Trainer.eval_step`), with JAX's cache-miss explanations on."""
+
+import json
+import logging
+import os
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from sharding import MeshConfig
+from trainer.config import DataConfig, TrainConfig
+from trainer.loop import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import peak  # noqa: E402  (benchmarks/peak.py)
+import plot_sweep  # noqa: E402
+import sweep  # noqa: E402
+import train_step  # noqa: E402
+
+
+@pytest.fixture
+def explain_cache_misses():
+  jax.config.update("jax_explain_cache_misses", True)
+  yield
+  jax.config.update("jax_explain_cache_misses", False)
+
+
+def small_trainer(mesh: MeshConfig) -> Trainer:
+  cfg = TrainConfig(mesh=mesh, batch_size=8, seq_len=32, steps=10, compilation_cache_dir="",
+                    data=DataConfig(source="synthetic", eval_fraction=0.0), sample_tokens=0)
+  cfg.model.num_layers = 2
+  return Trainer(cfg)
+
+
+def test_no_recompilation_after_the_first_step(explain_cache_misses, caplog):
+  trainer = small_trainer(MeshConfig(data=1, fsdp=4, tensor=2))
+  trainer.init_state()
+  batches = trainer.iterator("train")
+  with trainer.context():
+    # First calls: each function traces and compiles once.
+    trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(batches)))
+    first = float(metrics["loss"])
+    trainer.eval_step(trainer.state.params, trainer.to_device(next(batches)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      for _ in range(2):  # new batches, the donated state coming back: same shardings, same shapes
+        trainer.state, metrics = trainer.train_step(trainer.state,
+                                                    trainer.to_device(next(batches)))
+      out = trainer.eval_step(trainer.state.params, trainer.to_device(next(batches)))
+  assert np.isfinite(first) and np.isfinite(float(metrics["loss"]))
+  assert float(out["tokens"]) > 0
+  assert trainer.train_step._cache_size() == 1
+  assert trainer.eval_step._cache_size() == 1
+  # With jax_explain_cache_misses on, any retrace or recompile would be logged here.
+  misses = [r.getMessage() for r in caplog.records if "cache miss" in r.getMessage().lower()]
+  assert not misses, misses[:1]
+  assert int(trainer.state.step) == 3
+
+
+def test_train_step_benchmark_prints_one_json_line(tmp_path, capsys):
+  """Runs the AOT `compiled_step` (an executable: it cannot recompile) step after step."""
+  peak_file = tmp_path / "peak.jsonl"
+  peak_file.write_text(json.dumps({"benchmark": "matmul_peak", "dtype": "float32",
+                                   "gflops": 100.0}) + "\n")
+  train_step.main(["--model=debug", "--layout=fsdp=2,tensor=2", "--batch=4", "--seq=32",
+                   "--steps=2", "--warmup=1", f"--peak_file={peak_file}", "--layers=2"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+  assert len(lines) == 1
+  row = json.loads(lines[0])
+  assert row["layout"] == "fsdp=2,tensor=2" and row["num_devices"] == 4
+  assert row["tokens_per_s"] > 0 and row["compile_s"] > 0 and row["peak_gflops"] == 100.0
+  assert row["mfu"] == pytest.approx(row["model_gflops_per_s"] / 100.0, rel=1e-2)
+  assert row["memory_gib_per_device"]["peak"] > 0 and row["collective_mib_per_device"] > 0
+
+
+def test_layout_strings_round_trip():
+  layout = train_step.parse_layout("fsdp=4,tp=2,sp=1")
+  assert layout == {"fsdp": 4, "tensor": 2, "sequence_parallel": True}
+  assert train_step.layout_name(layout) == "fsdp=4,tensor=2,sp"
+  assert train_step.layout_name({}) == "single"
+
+
+def test_sweep_rows_measure_predict_and_skip(tmp_path):
+  class Args:
+    model, batch, seq, steps, warmup = "debug", 8, 32, 1, 1
+  ok = sweep.run_one("sweep", dict(fsdp=4, tensor=2), 2, "full", Args, 100e9, 20e9)
+  skipped = sweep.run_one("sweep", dict(fsdp=4, pipeline=2), 1, "none", Args, 100e9, 20e9)
+  assert ok["status"] == "ok", ok["reason"]
+  assert ok["tokens_per_s"] > 0 and ok["predicted_tokens_per_s"] > 0
+  assert ok["mem_peak_gib"] > 0 and ok["predicted_mem_gib"] > 0
+  assert skipped["status"] == "skipped" and "pipeline" in skipped["reason"]
+  assert all(sweep.devices_of(l) == 8 for l in sweep.LAYOUTS)  # every layout fills 8 devices
+  path = tmp_path / "sweep.csv"
+  with open(path, "w", newline="") as f:
+    writer = __import__("csv").DictWriter(f, sweep.FIELDS)
+    writer.writeheader()
+    writer.writerows([ok, skipped, dict(ok, kind="scaling", layout="single", devices=1, fsdp=1,
+                                        tensor=1)])
+  plot_sweep.heatmap(plot_sweep.read(path), str(tmp_path / "heat.png"))
+  plot_sweep.scaling(plot_sweep.read(path), str(tmp_path / "scale.png"))
+  assert (tmp_path / "heat.png").stat().st_size > 1000
+  assert (tmp_path / "scale.png").stat().st_size > 1000
+
+
+def test_copy_bandwidth_is_measured():
+  assert peak.measure_copy_bandwidth(mib=16, repeats=2) > 1e8  # > 0.1 GB/s
+
+
+def test_maxtext_peer_runs_the_same_models():
+  """benchmarks/peers/maxtext.sh sets the same dims as train_step.MODELS."""
+  text = open(os.path.join(REPO, "benchmarks", "peers", "maxtext.sh")).read()
+  keys = {"EMB": "embed_dim", "LAYERS": "num_layers", "HEADS": "num_heads",
+          "KV_HEADS": "num_kv_heads", "HEAD_DIM": "head_dim", "MLP": "mlp_dim",
+          "VOCAB": "vocab_size"}
+  for model in ("tiny", "100m"):
+    line = re.search(rf"^\s*{model}\) export (.*?);;", text, re.M).group(1)
+    dims = dict(kv.split("=") for kv in line.split())
+    assert {keys[k]: int(v) for k, v in dims.items()} == train_step.MODELS[model]

@@ -1,0 +1,188 @@
+"""Expert parallelism: MoE layouts train exactly like one device; the compiled all-to-alls.
+
+Tolerances are test_parallel.py's, unchanged. The MoE's routing biases get no gradient by
+design: where the one-device gradient is exactly zero, the layout's must be exactly zero too.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from configs import moe as moe_configs
+from models.config import MoEConfig
+from models.moe import MoE
+from sharding import MeshConfig, compiled, hlo
+from tests import parallel_harness as harness
+from tests.test_parallel import GRAD_RTOL, LOSS_RTOL, UPDATE_RTOL
+from trainer.compile import compile_for_gpus
+
+# 8 experts of 32 (the harness model's MLP is 64) top-2, one shared expert, the first layer
+# dense; the sigmoid router with the aux-loss-free bias, so its update is compared as well.
+MOE = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1,
+                first_dense_layers=1, router="sigmoid", bias_update_rate=0.01,
+                dispatch="dropless")
+# Dropping with capacity factor 1: tokens really drop (the same ones in every layout).
+DROPPING = dataclasses.replace(MOE, dispatch="dropping", capacity_factor=1.0)
+
+
+def M(**sizes) -> MeshConfig:
+  return MeshConfig(**{"data": 1, **sizes})
+
+
+_REFERENCES = {}
+
+
+def reference(moe: MoEConfig):
+  """One-device training of `moe` (each dispatch's run once per session)."""
+  if moe.dispatch not in _REFERENCES:
+    _REFERENCES[moe.dispatch] = harness.run(M(), devices=jax.devices()[:1], moe=moe)
+  return _REFERENCES[moe.dispatch]
+
+
+def assert_same_training(result, ref):
+  assert len(result.grads) == len(ref.grads) > 0
+  np.testing.assert_allclose(result.losses, ref.losses, rtol=LOSS_RTOL)
+  for got, want in zip(result.grads, ref.grads):
+    if not np.any(want):  # the routing bias: no gradient anywhere
+      assert not np.any(got)
+    else:
+      assert np.linalg.norm(got - want) <= GRAD_RTOL * np.linalg.norm(want)
+  for got, want, start in zip(result.params, ref.params, ref.initial_params):
+    moved = want - start
+    assert np.linalg.norm(got - want) <= UPDATE_RTOL * np.linalg.norm(moved)
+
+
+# Gradient accumulation vmaps the loss over microbatch replicas (over `data` with data > 1):
+# the dropless executor's shard_map, sort and ragged_dot must survive that vmap too.
+LAYOUTS = {
+    "expert=8,dropless": (M(expert=8), MOE, {}),
+    "expert=4,fsdp=2,dropless": (M(expert=4, fsdp=2), MOE, {}),
+    "expert=4,fsdp=2,dropping,ga=4,remat=selective": (M(expert=4, fsdp=2), DROPPING,
+                                                      dict(microbatches=4, remat="selective")),
+    "expert=2,tensor=2,data=2,dropless,ga=2,remat=full": (M(expert=2, tensor=2, data=2), MOE,
+                                                          dict(microbatches=2, remat="full")),
+    "expert=2,tensor=2,data=2,dropping": (M(expert=2, tensor=2, data=2), DROPPING, {}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_layout_equals_one_device(name):
+  mesh_cfg, moe, options = LAYOUTS[name]
+  assert_same_training(harness.run(mesh_cfg, moe=moe, **options), reference(moe))
+
+
+def test_references_are_not_trivial():
+  """Training moves the loss and the routing biases; dropping drops (so layouts agree on which
+  tokens drop, not merely on none)."""
+  for moe in (MOE, DROPPING):
+    ref = reference(moe)
+    assert ref.losses[-1] < ref.losses[0]
+    for start, end in zip(ref.initial_params, ref.params):
+      assert np.abs(end - start).max() > 1e-4
+  cfg = harness.config(M(), moe=DROPPING).model
+  assert cfg.moe.capacity_factor * cfg.moe.experts_per_token < cfg.moe.num_experts
+
+
+@functools.lru_cache(maxsize=None)
+def ep_program(dispatch: str):
+  moe = dataclasses.replace(MOE, dispatch=dispatch, capacity_factor=1.0, first_dense_layers=0)
+  return hlo.collectives(harness.compile_step(M(expert=8), moe=moe).as_text())
+
+
+def test_dropping_exchanges_tokens_by_all_to_all_with_the_predicted_bytes():
+  """expert=8: each MoE layer moves its dispatched tokens to their experts and back, forward and
+  backward: 4 all-to-alls of T k c D values per device (T = tokens per device, k = 2, capacity
+  factor c = 1, D = 32, float32), i.e. T k c D (N-1)/N x 4 bytes on the wire per direction.
+  Nothing is gathered, and the only all-reduces are the gradients of the weights that are
+  data-parallel over `expert` (all but the experts, which each device owns) and metrics."""
+  cols = ep_program("dropping")
+  cfg = harness.config(M(), moe=dataclasses.replace(MOE, first_dense_layers=0)).model
+  tokens = harness.BATCH * harness.SEQ // 8
+  per_direction = tokens * MOE.experts_per_token * 1.0 * cfg.embed_dim * 4
+  a2a = [c for c in cols if c.kind == "all-to-all"]
+  assert len(a2a) == 4 and all(c.count == cfg.moe_layers() and c.group_size == 8 for c in a2a)
+  assert all(c.bytes == per_direction for c in a2a)
+  assert all(c.wire_bytes == per_direction * 7 / 8 for c in a2a)
+  assert not [c for c in cols if c.kind == "all-gather"]
+  experts = cfg.moe_layers() * 3 * MOE.num_experts * cfg.embed_dim * MOE.expert_mlp_dim
+  replicated_bytes = (cfg.num_params() - experts) * 4
+  reduced = sum(c.bytes * c.count for c in cols if c.kind == "all-reduce")
+  assert replicated_bytes <= reduced <= replicated_bytes + 1024  # + routing counts, losses
+
+
+def test_dropless_padded_exchange_is_all_to_all_of_worst_case_buffers():
+  """The CPU path pads: each device sends N buffers of T min(k, E/N) rows, 4x the dropping
+  payload here (N = 8, k = 2, E/N = 1); the ragged GPU path sends only the real rows."""
+  cols = [c for c in ep_program("dropless") if c.kind == "all-to-all"]
+  cfg = harness.config(M(), moe=dataclasses.replace(MOE, first_dense_layers=0)).model
+  tokens = harness.BATCH * harness.SEQ // 8
+  padded = 8 * tokens * min(2, 1) * cfg.embed_dim * 4
+  assert sorted(c.bytes for c in cols if c.dtype == "f32") == [padded] * 4
+  assert all(c.count == cfg.moe_layers() for c in cols)
+
+
+def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
+  """XLA:CPU cannot run ragged_all_to_all; the deviceless 8xH100 compile proves the GPU path:
+  exchange "auto" picks it there, asynchronous, 4 executions per MoE layer (there and back, in
+  the forward and the backward), and nothing is gathered."""
+  cfg = moe_configs.debug_moe()
+  cfg.mesh = M(expert=8)
+  cfg.batch_size, cfg.seq_len = 16, 64
+  cfg.model.num_layers = 2
+  path = tmp_path / "step.hlo"
+  rep = compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
+  assert rep.platform != "cpu" and rep.num_devices == 8
+  text = path.read_text()
+  # sharding.hlo's report does not list ragged-all-to-all yet: count its executions with the
+  # report's own loop-trip accounting (XLA peels some layer-loop iterations out of the loop).
+  comps, _ = hlo._parse(text)  # pylint: disable=protected-access
+  runs, _, _ = hlo._counts(comps)  # pylint: disable=protected-access
+  executions = sum(runs[c] for c, instrs in comps.items() for i in instrs
+                   if i.op == "ragged-all-to-all-start")
+  assert executions == 4 * cfg.model.moe_layers()
+  assert not re.search(r"\ball-gather(-start)?\(", text)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's documented semantics from all_gathers (runs on CPU)."""
+  del recv_sizes  # implied by the senders' sizes
+  me, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  operands, starts, sizes, offsets = (jax.lax.all_gather(a, axis_name) for a in (
+      operand, input_offsets, send_sizes, output_offsets))
+  rows = jnp.arange(output.shape[0])
+  for source in range(n):
+    start, size, offset = starts[source, me], sizes[source, me], offsets[source, me]
+    inside = (rows >= offset) & (rows < offset + size)
+    taken = operands[source][jnp.clip(rows - offset + start, 0, operand.shape[0] - 1)]
+    output = jnp.where(inside[:, None], taken, output)
+  return output
+
+
+def test_ragged_exchange_offsets_against_emulated_collective(monkeypatch):
+  """The ragged path's offsets and sizes, run on CPU through an emulation of the collective's
+  documented semantics: output and gradients equal the dense reference (expert=8, and 2 experts
+  per device with expert=4 x tensor=2)."""
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, exchange="ragged"))
+  graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, cfg.embed_dim)), jnp.float32)
+
+  def loss(state, x, dispatch):
+    return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x, dispatch)[0]))
+
+  want = jax.value_and_grad(loss, argnums=(0, 1))(state, x, "dense")
+  for sizes in (dict(expert=8), dict(expert=4, tensor=2)):
+    with sharding.use_rules(sharding.make_mesh(M(**sizes))):
+      got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(state, x,
+                                                                               "dropless")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+      assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)

@@ -1,0 +1,86 @@
+"""Pipeline schedules as tick tables: dependencies hold, and the bubble and memory facts of the
+playbook follow from the tables (every operation takes one tick)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from sharding import schedules as S
+
+CASES = [(p, m) for p in (2, 4, 8) for m in (8, 16) if m >= p]
+
+
+def ops_of(schedule, stage):
+  return [(int(o), int(m), int(c)) for o, m, c in zip(schedule.op[:, stage],
+                                                      schedule.microbatch[:, stage],
+                                                      schedule.chunk[:, stage]) if o != S.IDLE]
+
+
+@pytest.mark.parametrize("kind", S.SCHEDULES)
+@pytest.mark.parametrize("stages,microbatches", CASES)
+def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches):
+  virtual = 2 if kind == "interleaved_1f1b" else 1
+  schedule = S.make(kind, stages, microbatches, virtual)
+  when = {}
+  for t, s in itertools.product(range(schedule.ticks), range(stages)):
+    op = schedule.op[t, s]
+    if op != S.IDLE:
+      key = (int(op), int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]) * stages + s)
+      assert key not in when, f"{key} runs twice"
+      when[key] = t
+  positions = stages * virtual
+  backward = S.BACKWARD_INPUT if kind == "zero_bubble" else S.BACKWARD
+  for m in range(microbatches):
+    for p in range(positions):
+      assert (S.FORWARD, m, p) in when and (backward, m, p) in when
+      if p:  # forward after the previous stage's forward (one tick of transfer)
+        assert when[(S.FORWARD, m, p)] > when[(S.FORWARD, m, p - 1)]
+      if p < positions - 1:  # backward after the next stage's backward
+        assert when[(backward, m, p)] > when[(backward, m, p + 1)]
+      assert when[(backward, m, p)] > when[(S.FORWARD, m, p)]
+      if kind == "zero_bubble":
+        assert when[(S.BACKWARD_WEIGHT, m, p)] > when[(S.BACKWARD_INPUT, m, p)]
+
+
+@pytest.mark.parametrize("stages,microbatches", CASES)
+def test_bubbles_and_in_flight_microbatches(stages, microbatches):
+  p, m = stages, microbatches
+  afab, one_f_one_b = S.make("afab", p, m), S.make("1f1b", p, m)
+  interleaved = S.make("interleaved_1f1b", p, m, 2)
+  zero = S.make("zero_bubble", p, m)
+  # AFAB and 1F1B idle (p - 1) / (m + p - 1) of the time (forward and backward each one tick).
+  assert afab.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1))
+  assert one_f_one_b.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1))
+  # Interleaving v chunks per device: (p - 1) / (v m + p - 1).
+  assert interleaved.bubble_fraction() == pytest.approx((p - 1) / (2 * m + p - 1))
+  # Zero bubble (ZB-H1): weight gradients fill the bubbles, at 1F1B's memory.
+  assert zero.bubble_fraction() < one_f_one_b.bubble_fraction()
+  assert list(zero.in_flight()) == list(one_f_one_b.in_flight())
+  # AFAB keeps all m microbatches in flight on every stage; 1F1B at most p (p - s on stage s).
+  assert list(afab.in_flight()) == [m] * p
+  assert list(one_f_one_b.in_flight()) == [min(m, p - s) for s in range(p)]
+
+
+def test_rendering_reads_like_the_playbook():
+  text = S.make("1f1b", 4, 8).render().splitlines()
+  assert text[0].split()[:5] == ["F0", "F1", "F2", "F3", "."]
+  assert text[3].split()[:4] == [".", ".", ".", "F0"]
+  assert "B0" in text[3].split()[4]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("1f1b", 4, 2), "at least as many microbatches as stages"),
+    (("interleaved_1f1b", 4, 6, 2), "microbatches a multiple of the stages"),
+    (("interleaved_1f1b", 4, 8, 1), "virtual >= 2"),
+    (("afab", 4, 8, 2), "need schedule=interleaved_1f1b"),
+    (("gpipe", 4, 8), "is not one of"),
+])
+def test_invalid_schedules_are_clear_errors(args, message):
+  with pytest.raises(ValueError, match=message):
+    S.make(*args)
+
+
+def test_tables_are_small_ints():
+  schedule = S.make("interleaved_1f1b", 8, 16, 2)
+  assert schedule.op.dtype == np.int32 and schedule.op.shape == (schedule.ticks, 8)

@@ -1,0 +1,40 @@
+"""Short training runs of a small Llama on the standard-library corpus, for comparing precisions
+and optimizers by their loss curves. Runs are cached per process: tests share them."""
+
+import dataclasses
+import functools
+
+import jax
+
+from configs import llama
+from models.config import Fp8Config
+from trainer.loop import Trainer
+
+
+def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: str = "adamw"):
+  """The tiny Llama of tests/test_train.py (2 layers, d 64) on one device, batch 16 x 64."""
+  cfg = llama.debug()
+  cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 2, 64, 192
+  cfg.model.dtype = dtype
+  cfg.model.fp8 = Fp8Config(enabled=fp8)
+  cfg.optim = dataclasses.replace(cfg.optim, name=optimizer)
+  cfg.steps, cfg.batch_size, cfg.seq_len = steps, 16, 64
+  return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def losses(steps: int, **kw) -> tuple[float, ...]:
+  """The training loss of every step (same data order and init for every variant)."""
+  trainer = Trainer(config(steps, **kw), jax.devices()[:1])
+  trainer.init_state()
+  batches = trainer.iterator("train")
+  out = []
+  with trainer.context():
+    for _ in range(steps):
+      trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(batches)))
+      out.append(metrics["loss"])
+  return tuple(float(x) for x in jax.device_get(out))
+
+
+def mean(values, start: int, stop: int) -> float:
+  return sum(values[start:stop]) / (stop - start)
