@@ -1,0 +1,171 @@
+"""Writes the README's results section from benchmarks/results/ (the last step of `make bench`).
+
+Reads peak.jsonl, train_step.jsonl, compile_scaling.jsonl, compare_summary.jsonl,
+moe_vs_dense.jsonl and overlap.jsonl (whichever exist) and prints Markdown; with --readme FILE it
+replaces the text between the `<!-- results:begin -->` and `<!-- results:end -->` markers of FILE.
+Numbers are medians over the rounds of one `make bench` run; the load average next to them says
+how busy the machine was (2 cores: anything above ~2 means another process competed).
+
+  python benchmarks/report.py [--results benchmarks/results] [--readme README.md]
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def rows(results: str, name: str) -> list[dict]:
+  path = os.path.join(results, name)
+  if not os.path.exists(path):
+    return []
+  return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def peak_section(peak: list[dict]) -> list[str]:
+  best = {}
+  for r in peak:
+    if r["benchmark"] == "matmul_peak":
+      best[r["dtype"]] = max(best.get(r["dtype"], 0.0), r["gflops"])
+    elif r["benchmark"] == "copy_bandwidth":
+      best["copy"] = max(best.get("copy", 0.0), r["gbytes_per_s"])
+  if not best:
+    return []
+  return [f"Measured peak of this machine (benchmarks/peak.py, best size): fp32 matmul"
+          f" **{best.get('float32', 0):.0f} GFLOP/s**, bf16 matmul {best.get('bfloat16', 0):.0f}"
+          f" GFLOP/s, copy {best.get('copy', 0):.1f} GB/s. MFU below = model FLOPs/s ÷ the fp32"
+          " matmul peak.", ""]
+
+
+def throughput_section(steps: list[dict]) -> list[str]:
+  groups = collections.defaultdict(list)
+  for r in steps:
+    if r.get("steps_timed"):
+      groups[(r["model"], r["layout"])].append(r)
+  if not groups:
+    return []
+  out = ["| model | params | layout | tokens/s | MFU | step s | peak GiB/device | load avg |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  single = {}
+  for (model, layout), runs in groups.items():
+    tps = statistics.median(r["tokens_per_s"] for r in runs)
+    if layout == "single":
+      single[model] = tps
+    out.append(f"| {model} | {runs[0]['params_m']:.0f}M | {layout} | {tps:.0f} |"
+               f" {statistics.median(r['mfu'] for r in runs):.1%} |"
+               f" {statistics.median(r['step_s'] for r in runs):.2f} |"
+               f" {runs[0]['memory_gib_per_device']['peak']:.2f} |"
+               f" {statistics.median(r['load_average_1m'] for r in runs):.1f} |")
+  out.append("")
+  for model, base in single.items():
+    fsdp = groups.get((model, "fsdp=8"))
+    if fsdp:
+      ratio = statistics.median(r["tokens_per_s"] for r in fsdp) / base
+      out.append(f"- {model}: fsdp=8 on 8 fake devices runs at **{ratio:.2f}×** the single-device"
+                 " throughput on the same cores (target ≥ 0.8).")
+  return out + [""]
+
+
+def compile_section(scaling: list[dict]) -> list[str]:
+  by_layers = collections.defaultdict(list)
+  for r in scaling:
+    by_layers[r["dims"]["num_layers"]].append(r["compile_s"])
+  if len(by_layers) < 2:
+    return []
+  few, many = min(by_layers), max(by_layers)
+  a, b = statistics.median(by_layers[few]), statistics.median(by_layers[many])
+  return [f"- Compile time, {many} vs {few} layers of the 100M model (scanned layers):"
+          f" {b:.1f} s vs {a:.1f} s = **{b / a:.2f}×** (target ≤ 1.5×).", ""]
+
+
+def compare_section(summary: list[dict]) -> list[str]:
+  if not summary:
+    return []
+  out = ["meshtron vs MaxText (benchmarks/compare.py: same dims, batch, sequence, remat, dtype,"
+         " AdamW, synthetic data; runs alternate):", "",
+         "| model | layout | remat | meshtron tokens/s | MaxText tokens/s | ratio |"
+         " ratio per CPU-second | load avg |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in summary:
+    out.append(f"| {r['model']} | {r['layout']} | {r['remat']} | {r['meshtron_median']:.0f} |"
+               f" {r['maxtext_median']:.0f} | **{r['ratio_meshtron_over_maxtext']:.2f}** |"
+               f" {r['ratio_per_cpu_second']:.2f} | {r['load_average_1m']:.1f} |")
+  return out + [""]
+
+
+def moe_section(moe: list[dict]) -> list[str]:
+  if not moe:
+    return []
+  out = ["Tiny MoE vs the dense model of the same active parameters (benchmarks/moe_vs_dense.py,"
+         " the Python standard library sources, same data, seed, batch and steps):", "",
+         "| model | params | active | steps | train NLL (last 20) | eval loss | step s |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in moe:
+    name = "dense" if r["variant"] == "dense" else f"MoE 8×top-2, {r['variant']}"
+    out.append(f"| {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M |"
+               f" {r['steps']} | {r['train_nll_last20']:.3f} | {r['eval_loss']:.3f} |"
+               f" {r['step_s_median']:.3f} |")
+  return out + [""]
+
+
+def overlap_section(overlap: list[dict]) -> list[str]:
+  layouts = [r for r in overlap if "layout" in r]
+  if not layouts:
+    return []
+  out = ["Overlap in the compiled 8.86B programs (benchmarks/overlap.py, deviceless H100"
+         " compiles, bf16, seq 4096; compiled-program facts, not wall time):", "",
+         "| target | layout | remat | preset | collective GiB | hidden | behind a matmul |"
+         " exposed GiB | loop all-gathers prefetched | peak GiB |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in layouts:
+    out.append(f"| {r['target']} | {r['layout']} | {r['remat']} | `{r['preset']}` |"
+               f" {r['wire_gib']:.1f} | {r['hidden_fraction']:.0%} |"
+               f" {r['behind_matmul_fraction']:.0%} | {r['exposed_gib']:.2f} |"
+               f" {r['loop_all_gathers_prefetched']} | {r['peak_gib']:.1f} |")
+  blocks = [r for r in overlap if "block" in r]
+  if blocks:
+    out += ["", "One sequence-parallel MLP block (D=4096, F=14336, 4096 tokens) on tensor=8:", "",
+            "| pass | matmuls | collectives | hidden | behind a matmul | exposed MiB |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for r in blocks:
+      kinds = ", ".join(f"{n} {k}" for k, n in sorted(r["collectives"].items()))
+      out.append(f"| {r['pass']} | {r['matmuls']} | {kinds} | {r['hidden_fraction']:.0%} |"
+                 f" {r['behind_matmul_fraction']:.0%} | {r['exposed_mib']:.0f} |")
+  return out + [""]
+
+
+def render(results: str) -> str:
+  lines = (peak_section(rows(results, "peak.jsonl"))
+           + throughput_section(rows(results, "train_step.jsonl"))
+           + compile_section(rows(results, "compile_scaling.jsonl"))
+           + compare_section(rows(results, "compare_summary.jsonl"))
+           + moe_section(rows(results, "moe_vs_dense.jsonl"))
+           + overlap_section(rows(results, "overlap.jsonl")))
+  return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--readme", default="")
+  args = parser.parse_args()
+  text = render(args.results)
+  if not args.readme:
+    print(text, end="")
+    return
+  readme = open(args.readme, encoding="utf-8").read()
+  if BEGIN not in readme or END not in readme:
+    raise SystemExit(f"{args.readme} has no {BEGIN} ... {END} markers to replace")
+  head, rest = readme.split(BEGIN, 1)
+  tail = rest.split(END, 1)[1]
+  with open(args.readme, "w", encoding="utf-8") as f:
+    f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+  print(f"wrote the results section of {args.readme}")
+
+
+if __name__ == "__main__":
+  main()
