@@ -18,12 +18,14 @@ train: $(STAMP)
 	rm -rf runs/debug
 	JAX_PLATFORMS=cpu $(BIN)/meshtron train --config=debug --workdir=runs/debug
 
-# The fast default suite on 8 fake CPU devices (slow cases: `make test-all`).
+# The fast default suite on 8 fake CPU devices (slow cases: `make test-all`), in 2 worker
+# processes: each test file runs whole in one worker (module fixtures are shared).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''
 
 clean:
 	rm -rf $(VENV) runs .jax_cache .pytest_cache *.egg-info
@@ -31,7 +33,8 @@ clean:
 # Regenerates benchmarks/results/ (about 1.5 h on 2 cores; the MaxText comparison installs MaxText
 # in its own venv under ~/.cache/meshtron-peers on first use): the measured peak; tokens/s and MFU
 # of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate, BENCH_ROUNDS
-# times); compile time of 2 vs 32 layers; the layout sweep and its plots; meshtron vs MaxText.
+# times); compile time of 2 vs 32 layers; the layout sweep and its plots; meshtron vs MaxText;
+# MoE vs dense; the overlap facts of the 8.86B programs; then the README's results section.
 BENCH_ROUNDS ?= 2
 RESULTS := benchmarks/results
 .PHONY: bench
@@ -50,7 +53,7 @@ bench: $(STAMP)
 	    --peak_file=$(RESULTS)/peak.jsonl \
 	    --label=round$$round >> $(RESULTS)/compile_scaling.jsonl || exit 1; \
 	done; done
-	$(BIN)/python benchmarks/sweep.py --out $(RESULTS)/sweep.csv
+	$(BIN)/python benchmarks/sweep.py --out $(RESULTS)/sweep.csv --pairs 1:none,4:full
 	$(BIN)/python benchmarks/plot_sweep.py --csv $(RESULTS)/sweep.csv --out_dir $(RESULTS)
 	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config tiny:single \
 	  --config tiny:fsdp=8 --config tiny:fsdp=4,tensor=2 --steps 10 --warmup 3 \
@@ -60,3 +63,7 @@ bench: $(STAMP)
 	  --out $(RESULTS)/compare.jsonl
 	$(BIN)/python benchmarks/compare.py --summarize $(RESULTS)/compare.jsonl \
 	  > $(RESULTS)/compare_summary.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/moe_vs_dense.py --steps=300 \
+	  --variants=dense,dropless,dropping > $(RESULTS)/moe_vs_dense.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/overlap.py > $(RESULTS)/overlap.jsonl
+	$(BIN)/python benchmarks/report.py --results $(RESULTS) --readme README.md

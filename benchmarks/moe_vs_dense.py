@@ -12,6 +12,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +39,8 @@ def run(variant: str, workdir: str, **kw) -> dict:
   from trainer import loop
   cfg = make_config(variant, **kw)
   shutil.rmtree(workdir, ignore_errors=True)
-  last = loop.run(cfg, workdir)
+  with contextlib.redirect_stdout(sys.stderr):  # the progress lines; stdout is JSON only
+    last = loop.run(cfg, workdir)
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   tail = rows[-20:]
   out = {"benchmark": "moe_vs_dense", "variant": variant, "steps": cfg.steps,

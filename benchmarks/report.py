@@ -3,8 +3,8 @@
 Reads peak.jsonl, train_step.jsonl, compile_scaling.jsonl, compare_summary.jsonl,
 moe_vs_dense.jsonl and overlap.jsonl (whichever exist) and prints Markdown; with --readme FILE it
 replaces the text between the `<!-- results:begin -->` and `<!-- results:end -->` markers of FILE.
-Numbers are medians over the rounds of one `make bench` run; the load average next to them says
-how busy the machine was (2 cores: anything above ~2 means another process competed).
+Numbers are medians over the rounds of one `make bench` run; "other cores" is the CPU that other
+processes used during the timed steps (2 cores: anything well above 0 means they competed).
 
   python benchmarks/report.py [--results benchmarks/results] [--readme README.md]
 """
@@ -47,7 +47,7 @@ def throughput_section(steps: list[dict]) -> list[str]:
       groups[(r["model"], r["layout"])].append(r)
   if not groups:
     return []
-  out = ["| model | params | layout | tokens/s | MFU | step s | peak GiB/device | load avg |",
+  out = ["| model | params | layout | tokens/s | MFU | step s | peak GiB/device | other cores |",
          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   single = {}
   for (model, layout), runs in groups.items():
@@ -58,8 +58,12 @@ def throughput_section(steps: list[dict]) -> list[str]:
                f" {statistics.median(r['mfu'] for r in runs):.1%} |"
                f" {statistics.median(r['step_s'] for r in runs):.2f} |"
                f" {runs[0]['memory_gib_per_device']['peak']:.2f} |"
-               f" {statistics.median(r['load_average_1m'] for r in runs):.1f} |")
+               f" {statistics.median(r.get('other_cores', float('nan')) for r in runs):.2f} |")
   out.append("")
+  if "100m" in single:
+    mfu = statistics.median(r["mfu"] for r in groups[("100m", "single")])
+    out.append(f"- 100m on one device: **{mfu:.0%} MFU** of the measured fp32 matmul peak"
+               f" (target ≥ 60%: {'met' if mfu >= 0.6 else 'not met'}).")
   for model, base in single.items():
     fsdp = groups.get((model, "fsdp=8"))
     if fsdp:
@@ -87,13 +91,17 @@ def compare_section(summary: list[dict]) -> list[str]:
   out = ["meshtron vs MaxText (benchmarks/compare.py: same dims, batch, sequence, remat, dtype,"
          " AdamW, synthetic data; runs alternate):", "",
          "| model | layout | remat | meshtron tokens/s | MaxText tokens/s | ratio |"
-         " ratio per CPU-second | load avg |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+         " ratio per CPU-second |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in summary:
     out.append(f"| {r['model']} | {r['layout']} | {r['remat']} | {r['meshtron_median']:.0f} |"
                f" {r['maxtext_median']:.0f} | **{r['ratio_meshtron_over_maxtext']:.2f}** |"
-               f" {r['ratio_per_cpu_second']:.2f} | {r['load_average_1m']:.1f} |")
+               f" {_num(r.get('ratio_per_cpu_second'))} |")
   return out + [""]
+
+
+def _num(value) -> str:
+  return "–" if value is None else f"{value:.2f}"
 
 
 def moe_section(moe: list[dict]) -> list[str]:

@@ -217,6 +217,9 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
   memory holds one file's worth. Parameters must be addressable by this process.
   """
   from safetensors.numpy import save_file
+  if cfg.moe is not None:
+    raise ValueError("Hugging Face export covers dense Llama models; a MoE (Mixtral layout) has"
+                     " no mapping yet")
   os.makedirs(out_dir, exist_ok=True)
   if any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(out_dir)):
     raise ValueError(f"{out_dir} already holds safetensors files; export into an empty directory")

@@ -91,11 +91,13 @@ def test_sweep_rows_measure_predict_and_skip(tmp_path):
   class Args:
     model, batch, seq, steps, warmup = "debug", 8, 32, 1, 1
   ok = sweep.run_one("sweep", dict(fsdp=4, tensor=2), 2, "full", Args, 100e9, 20e9)
-  skipped = sweep.run_one("sweep", dict(fsdp=4, pipeline=2), 1, "none", Args, 100e9, 20e9)
+  skipped = sweep.run_one("sweep", dict(fsdp=4, expert=2), 1, "none", Args, 100e9, 20e9)
+  invalid = sweep.run_one("sweep", dict(fsdp=4, pipeline=2), 1, "none", Args, 100e9, 20e9)
   assert ok["status"] == "ok", ok["reason"]
   assert ok["tokens_per_s"] > 0 and ok["predicted_tokens_per_s"] > 0
   assert ok["mem_peak_gib"] > 0 and ok["predicted_mem_gib"] > 0
-  assert skipped["status"] == "skipped" and "pipeline" in skipped["reason"]
+  assert skipped["status"] == "skipped" and "needs a MoE" in skipped["reason"]
+  assert invalid["status"] == "error" and "microbatches" in invalid["reason"]
   assert all(sweep.devices_of(l) == 8 for l in sweep.LAYOUTS)  # every layout fills 8 devices
   path = tmp_path / "sweep.csv"
   with open(path, "w", newline="") as f:

@@ -11,6 +11,7 @@ import transformers
 from safetensors.numpy import save_file
 
 import sharding
+from configs import moe as moe_configs
 from models import abstract_model, hf, hf_mapping, param_names
 from tests.test_cli import assert_one_line_error, meshtron
 from trainer.config import TrainConfig
@@ -166,6 +167,13 @@ def test_bad_input_is_one_line(tmp_path):
   save_file(kept, str(missing / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(ValueError, match="missing 1 tensor.*model.layers.1.mlp.up_proj.weight"):
     hf.from_pretrained(str(missing))
+  mixtral = tmp_path / "mixtral"
+  mixtral.mkdir()
+  (mixtral / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
+  with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'"):
+    hf.from_pretrained(str(mixtral))
+  with pytest.raises(ValueError, match="a MoE .* has no mapping yet"):
+    hf.save_params({}, moe_configs.model("debug_moe"), str(tmp_path / "out"))
 
 
 def tiny_tokenizer(path) -> None:

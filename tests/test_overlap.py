@@ -185,3 +185,23 @@ def test_combine_thresholds_set_the_number_of_gathers_and_scatters():
   assert default.summary["reduce-scatter"]["executions"] <= LAYERS + 2
   for kind in ("all-gather", "reduce-scatter"):
     assert fine.summary[kind]["payload_bytes"] == default.summary[kind]["payload_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, mesh", [("h100x8", dict(fsdp=8)),
+                                          ("h100x64", dict(data=8, fsdp=8))])
+def test_default_preset_hides_the_8b_models_layer_collectives(target, mesh):
+  """The playbook's 8.86B model (bf16, full remat, seq 4096, batch 8 per fsdp group): with the
+  default preset every collective in the layer loops is async with compute between start and
+  done, at least 95% of the bytes are hidden, and the program fits in 80 GB."""
+  cfg = llama.large("playbook_8b")
+  cfg.mesh = MeshConfig(**{"data": 1, **mesh})
+  cfg.batch_size, cfg.seq_len = 8 * mesh.get("data", 1), 4096
+  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
+                                  remat="full")
+  target = compiled.parse_gpu_target(target)
+  rep = compile_for_gpus(cfg, target)
+  layer = in_loops(rep)
+  assert layer and all(c["is_async"] and c["compute_between"] >= 1 for c in layer)
+  assert rep.overlap["hidden_fraction"] >= 0.95
+  assert compiled.fits(rep, target.device_memory_bytes)[0]
