@@ -12,7 +12,7 @@ from flax import nnx
 
 from models import hf_mapping
 from models.builder import abstract_model
-from models.config import ModelConfig
+from models.config import ModelConfig, MoEConfig
 
 # safetensors dtype codes. Reads use the documented file layout (8-byte header size, JSON header,
 # raw little-endian data) through np.memmap: the `safetensors` numpy API cannot return bfloat16,
@@ -197,15 +197,22 @@ def from_pretrained(model_dir: str, dtype: str = "float32", shardings=None):
 def config_of(model) -> ModelConfig:
   """The ModelConfig a built Transformer was made from (its shapes and static numbers)."""
   vocab, dim = model.embed.table.shape
-  _, _, heads, head_dim = model.layers.attn.q.w.shape
-  _, theta, factor, low, high, original = model.layers.attn.rope
+  stack = model.layers if model.layers is not None else model.moe_layers
+  _, _, heads, head_dim = stack.attn.q.w.shape
+  _, theta, factor, low, high, original = stack.attn.rope
+  moe, mlp_dim = None, None
+  if model.layers is not None:
+    mlp_dim = model.layers.mlp.gate.w.shape[-1]
+  if model.moe_layers is not None:
+    moe = MoEConfig(**dict(model.moe_fields))
+    mlp_dim = mlp_dim or model.moe_layers.moe.experts.gate.w.shape[-1]
   return ModelConfig(
       vocab_size=vocab, embed_dim=dim, num_layers=model.num_layers, num_heads=heads,
-      num_kv_heads=model.layers.attn.k.w.shape[2], head_dim=head_dim,
-      mlp_dim=model.layers.mlp.gate.w.shape[-1], tie_embeddings=model.head is None,
+      num_kv_heads=stack.attn.k.w.shape[2], head_dim=head_dim,
+      mlp_dim=mlp_dim, tie_embeddings=model.head is None,
       norm_eps=model.final_norm.eps, rope_theta=theta, rope_scaling_factor=factor,
       rope_low_freq_factor=low, rope_high_freq_factor=high, rope_original_max_len=original,
-      param_dtype=str(model.embed.table.dtype), dtype=str(np.dtype(model.embed.dtype)))
+      param_dtype=str(model.embed.table.dtype), dtype=str(np.dtype(model.embed.dtype)), moe=moe)
 
 
 def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: dict | None = None,
@@ -217,9 +224,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
   memory holds one file's worth. Parameters must be addressable by this process.
   """
   from safetensors.numpy import save_file
-  if cfg.moe is not None:
-    raise ValueError("Hugging Face export covers dense Llama models; a MoE (Mixtral layout) has"
-                     " no mapping yet")
+  hf_mapping.config_to_hf(cfg)  # refuses a MoE that Mixtral's format cannot hold, before writing
   os.makedirs(out_dir, exist_ok=True)
   if any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(out_dir)):
     raise ValueError(f"{out_dir} already holds safetensors files; export into an empty directory")

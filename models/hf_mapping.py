@@ -5,10 +5,10 @@ import itertools
 
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, MoEConfig
 
-# HF class name -> the meshtron architecture it maps to. Mixtral joins when models/ has MoE.
-ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+# HF class name -> the meshtron architecture it maps to.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
 # Tensors some HF checkpoints carry that hold no parameter (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -127,13 +127,22 @@ LLAMA = (
     Entry(("layers", "mlp", "up", "w"), _LAYER + "mlp.up_proj.weight", TRANSPOSED),
     Entry(("layers", "mlp", "down", "w"), _LAYER + "mlp.down_proj.weight", TRANSPOSED),
 )
-# Mixtral (when models/ has MoE; our paths are placeholders until then): the attention, norm and
-# embedding rows above, plus, on disk (transformers 5 still saves this per-expert format):
-#   router [L, D, E]  <- model.layers.{layer}.block_sparse_moe.gate.weight [E, D]          TRANSPOSED
-#   gate [L, E, D, F] <- model.layers.{layer}.block_sparse_moe.experts.{expert_id}.w1 [F, D]  "
-#   up [L, E, D, F]   <- ... experts.{expert_id}.w3.weight [F, D]                             "
-#   down [L, E, F, D] <- ... experts.{expert_id}.w2.weight [D, F]                             "
-# Entry.stacked is 2 for the experts: one HF tensor per (layer, expert) slice.
+# Mixtral: every layer is a MoE block (our `moe_layers` stack) with the same attention and norms;
+# on disk (transformers 5 still saves this per-expert format) each layer has a router and, per
+# expert, w1 (gate) and w3 (up) [F, D] and w2 (down) [D, F]: one HF tensor per (layer, expert).
+_MOE = _LAYER + "block_sparse_moe."
+MIXTRAL = tuple(
+    dataclasses.replace(e, path=("moe_layers",) + e.path[1:]) for e in LLAMA
+    if e.path[0] == "layers" and e.path[1] != "mlp") + tuple(
+    e for e in LLAMA if e.path[0] != "layers") + (
+    Entry(("moe_layers", "moe", "router", "w"), _MOE + "gate.weight", TRANSPOSED),
+    Entry(("moe_layers", "moe", "experts", "gate", "w"), _MOE + "experts.{expert_id}.w1.weight",
+          TRANSPOSED),
+    Entry(("moe_layers", "moe", "experts", "up", "w"), _MOE + "experts.{expert_id}.w3.weight",
+          TRANSPOSED),
+    Entry(("moe_layers", "moe", "experts", "down", "w"), _MOE + "experts.{expert_id}.w2.weight",
+          TRANSPOSED),
+)
 
 
 def entries(params: dict) -> list[Entry]:
@@ -145,7 +154,7 @@ def entries(params: dict) -> list[Entry]:
         return False
       node = node[key]
     return True
-  return [e for e in LLAMA if has(e.path)]
+  return [e for e in (MIXTRAL if "moe_layers" in params else LLAMA) if has(e.path)]
 
 
 # ---- config.json <-> ModelConfig ----
@@ -175,19 +184,36 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     if hf.get(key) not in (None, want):
       raise ValueError(f"{key}={hf[key]!r} is not supported (only {want!r})")
   heads = hf["num_attention_heads"]
+  moe = None
+  if ARCHITECTURES[arch] == "mixtral":
+    if hf.get("sliding_window"):
+      raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (only none)")
+    # Mixtral routes by softmax over the experts, top-k, the k weights renormalized: our
+    # "softmax" router. No z-loss; the HF balance-loss weight is kept. Dropless: nothing dropped.
+    moe = MoEConfig(num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                    router="softmax", load_balance_loss=float(hf.get("router_aux_loss_coef", 0.02)),
+                    router_z_loss=0.0, dispatch="dropless")
   cfg = ModelConfig(
       vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype=dtype, dtype=dtype, **_rope(hf))
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype=dtype, dtype=dtype, moe=moe,
+      **_rope(hf))
   cfg.validate()
   return cfg
 
 
 def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
-  """A HF LlamaForCausalLM config.json dict; `base` (e.g. the imported config) keeps its other
-  fields (token ids, max_position_embeddings)."""
+  """A HF LlamaForCausalLM (or, with a MoE, MixtralForCausalLM) config.json dict; `base` (e.g.
+  the imported config) keeps its other fields (token ids, max_position_embeddings)."""
+  moe = cfg.moe
+  if moe is not None and (moe.router != "softmax" or moe.num_shared_experts
+                          or moe.first_dense_layers or moe.bias_update_rate
+                          or moe.routed_scaling != 1.0 or moe.mlp_dim(cfg.mlp_dim) != cfg.mlp_dim):
+    raise ValueError("only Mixtral-style MoEs export to Hugging Face: softmax router, no shared"
+                     " experts or dense layers, no routing bias or scaling, expert width ="
+                     " model.mlp_dim")
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if cfg.rope_scaling_factor != 1.0:
     rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor,
@@ -209,4 +235,10 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
       head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False, mlp_bias=False,
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
+  if moe is not None:
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+               num_local_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
+               router_aux_loss_coef=moe.load_balance_loss, sliding_window=None)
+    for key in ("mlp_bias", "attention_bias"):
+      out.pop(key, None)
   return out

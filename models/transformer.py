@@ -1,5 +1,7 @@
 """The decoder: embedding, stacked and scanned dense and MoE layers with a remat policy, head."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -94,6 +96,8 @@ class Transformer(nnx.Module):
     self.moe_loss_weights = (cfg.moe.load_balance_loss, cfg.moe.router_z_loss) \
         if cfg.moe else (0.0, 0.0)
     self.moe_bias_rate = cfg.moe.bias_update_rate if cfg.moe else 0.0
+    # Static and hashable: the MoEConfig's fields (Hugging Face export reads them back).
+    self.moe_fields = tuple(dataclasses.asdict(cfg.moe).items()) if cfg.moe else None
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
     """Returns logits [B, L, V] in the compute dtype; with return_aux, (logits, aux).
