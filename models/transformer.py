@@ -29,31 +29,34 @@ class DecoderBlock(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self._init_attention(cfg, rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def _init_attention(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    """The norms and attention every block has (created first: same init order in both)."""
     norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
-    self.mlp = MLP(cfg, rngs=rngs)
+
+  def _attend(self, x_BLD, positions_BL, segment_ids_BL):
+    return constrain(x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL),
+                     RESIDUAL)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = constrain(x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL),
-                      RESIDUAL)
+    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL)
     return constrain(x_BLD + self.mlp(self.mlp_norm(x_BLD)), RESIDUAL)
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(DecoderBlock):
   """The same block with the MoE feed-forward; also returns the layer's routing stats."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
-    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):  # pylint: disable=super-init-not-called
+    self._init_attention(cfg, rngs)
     self.moe = MoE(cfg, rngs=rngs)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = constrain(x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL),
-                      RESIDUAL)
+    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL)
     y_BLD, stats = self.moe(self.mlp_norm(x_BLD))
     return constrain(x_BLD + y_BLD, RESIDUAL), stats
 
