@@ -21,11 +21,12 @@ train: $(STAMP)
 # The fast default suite on 8 fake CPU devices (slow cases: `make test-all`), in 2 worker
 # processes: each test file runs whole in one worker (module fixtures are shared).
 TEST_WORKERS ?= 2
+# Under the trainer's malloc settings (trainer/host_memory.py), like `meshtron` runs.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m trainer.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''
+	$(BIN)/python -m trainer.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''
 
 clean:
 	rm -rf $(VENV) runs .jax_cache .pytest_cache *.egg-info
@@ -45,7 +46,7 @@ bench: $(STAMP)
 	for round in $$(seq $(BENCH_ROUNDS)); do for model in tiny 100m; do \
 	  for layout in "" fsdp=8 fsdp=4,tensor=2; do \
 	    $(BIN)/python benchmarks/train_step.py --model=$$model --layout=$$layout --remat=none \
-	      --steps=8 --warmup=2 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
+	      --steps=8 --warmup=3 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
 	      >> $(RESULTS)/train_step.jsonl || exit 1; \
 	done; done; done
 	for round in $$(seq $(BENCH_ROUNDS)); do for layers in 2 32; do \
@@ -59,7 +60,7 @@ bench: $(STAMP)
 	  --config tiny:fsdp=8 --config tiny:fsdp=4,tensor=2 --steps 10 --warmup 3 \
 	  --out $(RESULTS)/compare.jsonl
 	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config 100m:single \
-	  --config 100m:fsdp=8 --config 100m:fsdp=4,tensor=2 --steps 4 --warmup 2 \
+	  --config 100m:fsdp=8 --config 100m:fsdp=4,tensor=2 --steps 4 --warmup 3 \
 	  --out $(RESULTS)/compare.jsonl
 	$(BIN)/python benchmarks/compare.py --summarize $(RESULTS)/compare.jsonl \
 	  > $(RESULTS)/compare_summary.jsonl

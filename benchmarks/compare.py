@@ -24,10 +24,13 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from trainer import host_memory  # noqa: E402
+
 DEFAULT_CONFIGS = ["tiny:single", "tiny:fsdp=8", "tiny:fsdp=4,tensor=2",
                    "100m:single", "100m:fsdp=8", "100m:fsdp=4,tensor=2"]
-# Timed steps per model (MaxText excludes its first `warmup` steps; meshtron its first 2 after an
-# AOT compile, whose first step is already steady).
+# Timed steps per model; both trainers exclude their first `warmup` steps (meshtron's heap grows
+# to its steady size in its first steps; trainer/host_memory.py).
 STEPS = {"tiny": (15, 5), "100m": (6, 3)}
 
 
@@ -42,7 +45,7 @@ def run_meshtron(model: str, layout: str, args, steps: int, warmup: int) -> dict
   cmd = [sys.executable, os.path.join(HERE, "train_step.py"), f"--model={model}",
          f"--layout={'' if layout == 'single' else layout}", f"--batch={args.batch}",
          f"--seq={args.seq}", f"--remat={args.remat}", f"--dtype={args.dtype}",
-         f"--steps={steps}", f"--warmup={min(warmup, 2)}", f"--peak_file={args.peak_file}",
+         f"--steps={steps}", f"--warmup={warmup}", f"--peak_file={args.peak_file}",
          "--label=compare"]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   row = last_json(proc.stdout)
@@ -52,7 +55,9 @@ def run_meshtron(model: str, layout: str, args, steps: int, warmup: int) -> dict
 
 
 def run_maxtext(model: str, layout: str, args, steps: int, warmup: int) -> dict:
-  env = dict(os.environ, BATCH=str(args.batch), SEQ=str(args.seq), REMAT=args.remat,
+  # The same host allocator settings as meshtron's runs (trainer/host_memory.py), so the ratio
+  # compares the two trainers' programs, not glibc's defaults against tuned ones.
+  env = dict(host_memory.tunables_env(), BATCH=str(args.batch), SEQ=str(args.seq), REMAT=args.remat,
              DTYPE=args.dtype, STEPS=str(steps + warmup), WARMUP=str(warmup))
   proc = subprocess.run(["bash", os.path.join(HERE, "peers", "maxtext.sh"), model, layout],
                         capture_output=True, text=True, env=env, check=False)

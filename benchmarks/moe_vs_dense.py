@@ -70,6 +70,9 @@ def main(argv=None) -> None:
     sys.exit(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from trainer import host_memory
+  if argv is None:
+    host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/host_memory.py)
   for variant in variants:
     print(json.dumps(run(variant, os.path.join(args.workdir, variant), steps=args.steps,
                          batch=args.batch, seq=args.seq)), flush=True)

@@ -4,7 +4,9 @@ Compile time (AOT, no persistent cache), steady step time (median over --steps s
 --warmup, each ended by `block_until_ready`), tokens/s, model FLOP/s (`flops_per_token`: 6N +
 causal attention, the trainer's own MFU numerator), MFU against the measured matmul peak of the
 same dtype, per-device memory of the compiled program, and the CPU used by other processes
-during the timed window (so a contended measurement says so). Optional `jax.profiler` trace.
+during the timed window (so a contended measurement says so), and the process's page faults per
+timed step (fresh host memory; trainer/host_memory.py). Optional `jax.profiler` trace. From the
+command line it runs under the trainer's malloc settings, like `meshtron`.
 
 Usage:
   python benchmarks/train_step.py --model=100m --devices=8 --layout=fsdp=4,tensor=2 \
@@ -16,6 +18,7 @@ Usage:
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -160,6 +163,7 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
     for i in range(warmup + steps):
       if i == warmup:
         cpu0, wall0, busy0 = time.process_time(), time.perf_counter(), _busy_cpu_s()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if trace_dir:
           jax.profiler.start_trace(trace_dir)
       start = time.perf_counter()
@@ -169,6 +173,7 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
       times.append(time.perf_counter() - start)
     cpu, wall, busy = (time.process_time() - cpu0, time.perf_counter() - wall0,
                        _busy_cpu_s() - busy0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     if trace_dir:
       jax.profiler.stop_trace()
       out["trace"] = summarize_trace(trace_dir, steps, wall)
@@ -184,7 +189,8 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
       model_gflops_per_s=round(model_flops / 1e9, 2),
       mfu=round(model_flops / peak_flops, 4) if peak_flops else None,
       loss=float(metrics["loss"]), own_cores=round(cpu / wall, 2),
-      other_cores=round(max(0.0, (busy - cpu) / wall), 2))
+      other_cores=round(max(0.0, (busy - cpu) / wall), 2),
+      page_faults_per_step=round(faults / steps))
   return out
 
 
@@ -209,13 +215,16 @@ def main(argv=None) -> None:
   parser.add_argument("--wait_idle", type=float, default=0,
                       help="first wait up to this many seconds for other load to leave the CPUs")
   args = parser.parse_args(argv)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from trainer import host_memory
+  if argv is None:  # a command line, not a test calling main(): measure with the trainer's malloc
+    host_memory.reexec_with_tunables()
   layout = parse_layout(args.layout)
   devices = args.devices or max(1, _product(layout))
   # Before JAX starts: fake devices share the machine's cores.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={devices}").strip()
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   from trainer.metrics import measure_matmul_flops
   peak_source = "peak_file"

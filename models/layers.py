@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import fp8 as fp8_ops
-from sharding import constrain
+from sharding import constrain, tokens_split
 
 
 def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -43,7 +43,17 @@ class Einsum(nnx.Module):
     if self.fp8_margin is not None:
       return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x.astype(self.dtype), self.w[...],
                                 *(getattr(self, n)[...] for n in fp8_ops.HISTORIES))
-    return jnp.einsum(eqn, x.astype(self.dtype), self.w[...].astype(self.dtype))
+    x, w = x.astype(self.dtype), self.w[...].astype(self.dtype)
+    if eqn.startswith("BL") and "->BL" in eqn and not tokens_split():
+      # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
+      # weight gradient then contracts one dim of row-major operands; with two, XLA:CPU copies
+      # the [B, L, F] activation gradient transposed first, at the cost of a third of the MLP
+      # backward (benchmarks/train_step.py --trace, op `copy_bitcast_fusion`).
+      lhs, rest = eqn.split(",", 1)
+      y = jnp.einsum(f"T{lhs[2:]},{rest.replace('->BL', '->T')}",
+                     x.reshape(-1, *x.shape[2:]), w)
+      return y.reshape(*x.shape[:2], *y.shape[1:])
+    return jnp.einsum(eqn, x, w)
 
 
 class Embed(nnx.Module):

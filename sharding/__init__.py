@@ -4,7 +4,7 @@ from sharding.collective_matmul import logical_all_gather_matmul, logical_matmul
 from sharding.context import (constrain, constrain_tree, current, excluding,
                               gradient_replica_axes, is_names, mesh_sizes, named_sharding,
                               record_constraints, replicated, spec, tree_shardings, use_rules)
-from sharding.context_parallel import context_attention, sequence_axes, zigzag
+from sharding.context_parallel import context_attention, sequence_axes, tokens_split, zigzag
 from sharding.expert import dropless_experts
 from sharding.mesh import (AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes,
                            split_across_hosts)
@@ -13,7 +13,7 @@ from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, parse_
 from sharding.shard_map import shard_map_logical
 
 __all__ = [
-    "context_attention", "sequence_axes", "zigzag",
+    "context_attention", "sequence_axes", "tokens_split", "zigzag",
     "logical_all_gather_matmul", "logical_matmul_reduce_scatter",
     "AXES", "BATCH_AXES", "DEFAULT_RULES", "LayoutError", "MeshConfig", "constrain",
     "constrain_tree", "current", "dropless_experts", "excluding", "gradient_replica_axes", "is_names", "layout_rules", "logical_to_spec", "make_mesh",

@@ -20,6 +20,19 @@ def sequence_axes() -> tuple[str, ...]:
                and a not in ctx.excluded)
 
 
+def tokens_split() -> bool:
+  """Whether a mesh axis (size > 1) splits the sequence of any activation in the current context:
+  `seq` under context parallelism, `res_seq` also under sequence parallelism. When none does,
+  each device holds whole sequences, so [B, L, ...] activations are [B·L, ...] token rows
+  without moving data (models/layers.Einsum uses that)."""
+  ctx = _CURRENT.get()
+  if ctx is None:
+    return False
+  sizes, rules = mesh_sizes(ctx.mesh), dict(ctx.rules)
+  return any(sizes[a] > 1 and a not in ctx.excluded
+             for name in ("seq", "res_seq") for a in rules.get(name, ()))
+
+
 def zigzag_permutation(length: int, parts: int) -> np.ndarray:
   """The order that gives device i sequence chunks i and 2·parts−1−i (of 2·parts chunks), so
   every device gets the same amount of causal attention work."""

@@ -8,6 +8,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import configs
+from trainer import host_memory
 from trainer import plan_cli  # defines the memory/plan flags
 
 VERBS = ("train", "compile", "memory", "plan", "convert")
@@ -109,6 +110,7 @@ def _run_verb(verb: str, loop) -> None:
 
 def run() -> None:
   """Console-script entry: `meshtron train --config=debug --workdir=runs/x [--config.x.y=v]`."""
+  host_memory.reexec_with_tunables()
   if len(sys.argv) < 2 or sys.argv[1] not in VERBS:
     _fail(f"usage: meshtron {{{'|'.join(VERBS)}}} [--flags]; e.g. meshtron train --config=debug")
   global _CONFIG
