@@ -39,11 +39,15 @@ def decay_mask(cfg: OptimConfig, names) -> dict:
   return jax.tree.map(decays, names, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def frozen_mask(names) -> dict:
-  """True for parameters the optimizer must not move, from their logical names: the MoE routing
+def is_frozen(names: tuple) -> bool:
+  """Whether the optimizer must leave a parameter alone, from its logical names: the MoE routing
   biases (`expert_bias`) and the fp8 amax histories, which the train step sets itself."""
-  return jax.tree.map(lambda n: EXPERT_BIAS in n or FP8_HISTORY in n, names,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return EXPERT_BIAS in names or FP8_HISTORY in names
+
+
+def frozen_mask(names) -> dict:
+  """`is_frozen` of every parameter."""
+  return jax.tree.map(is_frozen, names, is_leaf=lambda x: isinstance(x, tuple))
 
 
 # Dims that index independent matrices of one parameter: each gets its own orthogonalization.
@@ -57,7 +61,7 @@ def muon_dims(names) -> MuonDimensionNumbers | None:
   Projections are embed -> rest (q/k/v [D, H, Dh], gate/up [D, F]) or rest -> embed
   (o [H, Dh, D], down [F, D]); `layers` and `experts` are batch dims.
   """
-  if "vocab" in names or None in names or FP8_HISTORY in names or EXPERT_BIAS in names:
+  if "vocab" in names or None in names or is_frozen(names):
     return None
   dims = [i for i, n in enumerate(names) if n not in _BATCH_DIMS]
   if len(dims) < 2 or "embed" not in (names[i] for i in dims):
@@ -93,7 +97,7 @@ def _muon(cfg: OptimConfig, names, lr, adamw) -> optax.GradientTransformation:
   per matrix. sharding.estimate.muon_newton_schulz counts those FLOPs and bytes.
   """
   def label(n):
-    if EXPERT_BIAS in n or FP8_HISTORY in n:
+    if is_frozen(n):
       return "frozen"
     return "muon" if muon_dims(n) else "adamw"
 
