@@ -10,14 +10,20 @@ import numpy as np
 from sharding.context import _CURRENT, constrain, mesh_sizes, spec
 
 
-def sequence_axes() -> tuple[str, ...]:
-  """Mesh axes (size > 1) that split the `seq` dim in the current context; () without one."""
+def _splitting_axes(name: str) -> tuple[str, ...]:
+  """Mesh axes (size > 1) that split the logical dim `name` in the current context; () without
+  one."""
   ctx = _CURRENT.get()
   if ctx is None:
     return ()
   sizes = mesh_sizes(ctx.mesh)
-  return tuple(a for a in dict(ctx.rules).get("seq", ()) if sizes[a] > 1
+  return tuple(a for a in dict(ctx.rules).get(name, ()) if sizes[a] > 1
                and a not in ctx.excluded)
+
+
+def sequence_axes() -> tuple[str, ...]:
+  """Mesh axes (size > 1) that split the `seq` dim in the current context; () without one."""
+  return _splitting_axes("seq")
 
 
 def tokens_split() -> bool:
@@ -25,12 +31,7 @@ def tokens_split() -> bool:
   `seq` under context parallelism, `res_seq` also under sequence parallelism. When none does,
   each device holds whole sequences, so [B, L, ...] activations are [B·L, ...] token rows
   without moving data (models/layers.Einsum uses that)."""
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return False
-  sizes, rules = mesh_sizes(ctx.mesh), dict(ctx.rules)
-  return any(sizes[a] > 1 and a not in ctx.excluded
-             for name in ("seq", "res_seq") for a in rules.get(name, ()))
+  return bool(_splitting_axes("seq") or _splitting_axes("res_seq"))
 
 
 def zigzag_permutation(length: int, parts: int) -> np.ndarray:
