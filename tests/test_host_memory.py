@@ -57,20 +57,27 @@ def test_tunables_remove_the_page_faults_of_fresh_temporaries():
 
 def test_reexec_keeps_pid_and_arguments_and_respects_the_user():
   script = ("import os, sys; sys.path.insert(0, %r); from trainer import host_memory; "
-            "pid = os.getpid(); host_memory.reexec_with_tunables(); "
-            "print(pid, os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])" % ROOT)
-  run = lambda **env: subprocess.run(  # noqa: E731
-      [sys.executable, "-c", script, "a", "--b=1"], env=_env(**env), capture_output=True,
-      text=True, check=True).stdout.split(" ", 2)
-  pid, tunables, argv = run()
+            "host_memory.reexec_with_tunables(); "
+            "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])" % ROOT)
+
+  def run(**env):
+    """(pid the child printed after the re-exec, the pid it was started with, tunables, argv)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, "a", "--b=1"], env=_env(**env),
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    pid, tunables, argv = out.split(" ", 2)
+    return int(pid), proc.pid, tunables, argv
+
+  pid, started_as, tunables, argv = run()
+  assert pid == started_as  # execve: the same process, so launchers (srun, mpirun) keep track
   assert tunables == host_memory.TUNABLES and argv.strip() == "['a', '--b=1']"
   # A setting the user chose stays; the missing ones are added.
-  _, tunables, _ = run(GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+  _, _, tunables, _ = run(GLIBC_TUNABLES="glibc.malloc.arena_max=4")
   assert tunables.split(":")[0] == "glibc.malloc.arena_max=4"
   assert "glibc.malloc.arena_max=1" not in tunables and "glibc.malloc.hugetlb=1" in tunables
-  _, tunables, _ = run(**{host_memory.OPT_OUT: "1"})
+  _, _, tunables, _ = run(**{host_memory.OPT_OUT: "1"})
   assert tunables == "None"
-  assert int(pid) > 0
 
 
 def _contracting_dims(fn, *args):
@@ -117,7 +124,7 @@ def test_token_rows_unless_a_mesh_axis_splits_the_sequence(options, split):
   # The forward and both gradients: with whole sequences per device every dot contracts one dim;
   # otherwise the weight gradient contracts the two token dims [B, L].
   assert dims == ([1, 1, 1] if not split else [1, 1, 2]), dims
-  got = (jax.tree.leaves(grad_params)[0], grad_x)
-  for got, want in zip(got, jax.grad(reference, argnums=(0, 1))(jax.tree.leaves(params)[0], x)):
+  want = jax.grad(reference, argnums=(0, 1))(jax.tree.leaves(params)[0], x)
+  for got, want in zip((jax.tree.leaves(grad_params)[0], grad_x), want):
     assert float(jnp.max(jnp.abs(got - want))) < 1e-5
   assert not sharding.tokens_split()  # outside any sharding context
