@@ -109,7 +109,8 @@ def _run_verb(verb: str, loop) -> None:
 
 
 def run() -> None:
-  """Console-script entry: `meshtron train --config=debug --workdir=runs/x [--config.x.y=v]`."""
+  """CLI entry (the `meshtron` script, via host_memory.meshtron, or `python -m trainer.main`):
+  `meshtron train --config=debug --workdir=runs/x [--config.x.y=v]`."""
   host_memory.reexec_with_tunables()
   if len(sys.argv) < 2 or sys.argv[1] not in VERBS:
     _fail(f"usage: meshtron {{{'|'.join(VERBS)}}} [--flags]; e.g. meshtron train --config=debug")
