@@ -65,12 +65,14 @@ class Embed(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-    # Gather the `embed` dim first (FSDP), keep `vocab` split: each tensor-parallel device looks
-    # up its vocab slice and the partial rows are summed (Megatron's vocab-parallel embedding).
-    # Without this, XLA cannot reshard the lookup's output efficiently and replicates it. Cast
-    # first, so the gather moves compute-dtype (e.g. bf16) bytes, not the stored fp32 table.
-    table = constrain(self.table[...].astype(self.dtype), ("vocab", None))
-    return jnp.take(table, tokens_BL, axis=0)
+    # Under FSDP the table is not gathered: each device looks up the rows of its fsdp group's
+    # tokens in its own `embed` columns of the table, then an all-to-all hands each device its
+    # tokens' full rows. That moves tokens x D values instead of V x D, and so does the gradient
+    # (no [V, D] reduction). With the vocab split over fsdp (sharding.rules), XLA gathers the
+    # table as for any FSDP weight. Cast first, so any gather moves compute-dtype bytes.
+    table = constrain(self.table[...].astype(self.dtype), ("vocab", "embed"))
+    rows = jnp.take(table, tokens_BL, axis=0)
+    return constrain(rows, ("lookup_batch", "seq", "embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:
     return jnp.einsum("BLD,VD->BLV", x_BLD, self.table[...].astype(self.dtype))

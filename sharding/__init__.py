@@ -9,7 +9,7 @@ from sharding.expert import dropless_experts
 from sharding.mesh import (AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes,
                            split_across_hosts)
 from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, parse_overrides,
-                            role_rules, with_overrides)
+                            role_rules, split_vocab_over_fsdp, with_overrides)
 from sharding.shard_map import shard_map_logical
 
 __all__ = [
@@ -18,5 +18,5 @@ __all__ = [
     "AXES", "BATCH_AXES", "DEFAULT_RULES", "LayoutError", "MeshConfig", "constrain",
     "constrain_tree", "current", "dropless_experts", "excluding", "gradient_replica_axes", "is_names", "layout_rules", "logical_to_spec", "make_mesh",
     "mesh_sizes", "named_sharding", "parse_overrides", "record_constraints", "replicated",
-    "role_rules", "shard_map_logical", "spec", "split_across_hosts", "tree_shardings", "use_rules", "with_overrides",
+    "role_rules", "shard_map_logical", "spec", "split_across_hosts", "split_vocab_over_fsdp", "tree_shardings", "use_rules", "with_overrides",
 ]

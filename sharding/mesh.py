@@ -37,6 +37,9 @@ class MeshConfig:
   # With tensor > 1: activations between tensor-parallel regions are sharded on the sequence dim
   # over `tensor` (all-gather + reduce-scatter instead of all-reduce).
   sequence_parallel: bool = False
+  # With fsdp > 1: split the vocab dims (embedding table, head, logits) over `fsdp` instead of
+  # gathering those weights; "auto" does when it moves fewer bytes (sharding.rules).
+  vocab_over_fsdp: str = "auto"
   # With pipeline > 1: the schedule (afab, 1f1b, interleaved_1f1b, zero_bubble) of the
   # microbatches (TrainConfig.microbatches) and the layer chunks per stage (interleaving).
   pipeline_schedule: str = "1f1b"

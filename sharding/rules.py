@@ -16,11 +16,13 @@ DEFAULT_RULES: Rules = (
     # MoE tokens dispatched to experts [E, groups, capacity, D]: the experts dim takes `expert`
     # before the batch (groups) dim can, so moving tokens to their experts is an all-to-all.
     ("act_experts", ("expert",)),
+    # Before `batch`: when the vocab is split over fsdp too (layout_rules), the logits keep their
+    # vocab dim split and the group's tokens whole.
+    ("act_vocab", ("tensor",)),
     ("batch", ("data", "fsdp", "expert")),
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
-    ("act_vocab", ("tensor",)),
     ("seq", ("context",)),
     # The sequence dim of the residual stream (embeddings, norms, residual adds): the only one
     # that sequence parallelism also splits over `tensor`.
@@ -35,6 +37,9 @@ DEFAULT_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("vocab", ("tensor",)),
     ("embed", ("fsdp",)),
+    # The batch dim of embedding lookups [B, L, D]: after `embed`, so it takes only the batch
+    # axes that the table's `embed` dim does not (models/layers.py Embed).
+    ("lookup_batch", ("data", "fsdp", "expert")),
     ("head_dim", ()),
     ("norm", ()),
 )
@@ -69,13 +74,44 @@ def with_overrides(rules: Rules, overrides: Mapping[str, tuple[str, ...]]) -> Ru
 ZERO_STAGE_OF_ROLE = {"opt_state": 1, "grads": 2, "params": 3}
 
 
-def layout_rules(rules: Rules, *, sequence_parallel: bool = False) -> Rules:
-  """The activation rules of a layout. Sequence parallelism adds `tensor` to `res_seq`: the
-  residual stream is sequence-sharded between the tensor-parallel regions (attention, MLP, head),
-  which keep the whole sequence and split heads / hidden / vocab instead."""
-  if not sequence_parallel:
-    return rules
-  return tuple((name, axes + ("tensor",) if name == "res_seq" else axes) for name, axes in rules)
+def layout_rules(rules: Rules, *, sequence_parallel: bool = False,
+                 vocab_over_fsdp: bool = False) -> Rules:
+  """The rules of a layout. Sequence parallelism adds `tensor` to `res_seq`: the residual stream
+  is sequence-sharded between the tensor-parallel regions (attention, MLP, head), which keep the
+  whole sequence and split heads / hidden / vocab instead. `vocab_over_fsdp` (see
+  `split_vocab_over_fsdp`) adds `fsdp` to the vocab dims of the weights and the logits."""
+  added = {"res_seq": ("tensor",) if sequence_parallel else (),
+           "vocab": ("fsdp",) if vocab_over_fsdp else (),
+           "act_vocab": ("fsdp",) if vocab_over_fsdp else ()}
+  return tuple((name, axes + added.get(name, ())) for name, axes in rules)
+
+
+VOCAB_OVER_FSDP = ("auto", "on", "off")
+VOCAB_MARGIN = 4
+
+
+def split_vocab_over_fsdp(setting: str, *, fsdp: int, tensor: int, vocab: int,
+                          group_tokens: float) -> bool:
+  """Whether FSDP splits the vocab dims (embedding table, head, logits) instead of the `embed` dim.
+
+  FSDP gathers a weight over its `fsdp` group before using it. For the head [D, V] that moves
+  D x V / tensor values per microbatch, and as many gradient values back. With the vocab dim
+  split over `fsdp`, the group gathers its activations instead (group_tokens x D) and each device
+  computes the logits of all the group's tokens for its vocab slice: Megatron's vocab-parallel
+  head, over `fsdp`; its weight gradient needs no reduction. "auto" picks it when the head's
+  vocab slice is at least VOCAB_MARGIN x the tokens of a microbatch of the group (the tokens
+  split over fsdp), as in small-batch runs; large batches keep the weight gathers. The margin
+  covers what the split adds per token besides its hidden state: the gradient of the hidden
+  state, the loss statistics reduced over the vocab, and the embedding rows summed over the
+  vocab slices. (The tiny test model, D = 32, breaks even near 2x; benchmarks/results.)
+  """
+  if setting not in VOCAB_OVER_FSDP:
+    raise LayoutError(f"mesh.vocab_over_fsdp={setting!r} is not a choice; set it to one of"
+                      f" {', '.join(VOCAB_OVER_FSDP)}")
+  if fsdp == 1 or setting == "off":
+    return False
+  return setting == "on" or (vocab % (fsdp * tensor) == 0
+                             and VOCAB_MARGIN * group_tokens <= vocab / tensor)
 
 
 def role_rules(rules: Rules, role: str, zero_stage: int) -> Rules:

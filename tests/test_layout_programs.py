@@ -34,6 +34,10 @@ def payload(cols, kind) -> int:
   return sum(c.bytes * c.count for c in cols if c.kind == kind)
 
 
+def wire(cols) -> float:
+  return sum(c.total_wire_bytes for c in cols)
+
+
 def looped(cols, kind) -> int:
   """Executions of [B, L, D] activation collectives inside the layer scans ([B·L, D] where the
   projections see token rows: no mesh axis splits the sequence, models/layers.Einsum)."""
@@ -68,8 +72,7 @@ def test_data_parallel_all_reduces_the_gradients_once():
   assert {c.kind for c in cols} == {"all-reduce"}
   # One gradient all-reduce of Psi (plus scalar metrics): wire 2 Psi (N-1)/N per device.
   assert payload(cols, "all-reduce") == pytest.approx(PSI, rel=0.001)
-  wire = sum(c.total_wire_bytes for c in cols)
-  assert wire == pytest.approx(2 * PSI * 7 / 8, rel=0.001)
+  assert wire(cols) == pytest.approx(2 * PSI * 7 / 8, rel=0.001)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -89,6 +92,30 @@ def test_zero_3_gathers_each_layer_forward_and_backward():
   assert payload(cols, "all-gather") == pytest.approx(2 * PSI_LAYERS + PSI_REST, rel=0.02)
   assert payload(cols, "all-reduce") == pytest.approx(PSI, rel=0.002)
   assert max(c.count for c in cols if c.kind == "all-gather") == CFG.num_layers
+
+
+def test_fsdp_looks_up_embeddings_without_gathering_the_table():
+  """FSDP moves token rows, not the [V, D] table (models/layers.Embed): each device looks up its
+  columns of the table for the tokens of its fsdp group, and an all-to-all hands each device its
+  tokens' full rows, B L D / 8 values, forward and (the gradient) backward. The table is neither
+  gathered nor is its gradient reduced whole."""
+  _, cols = program(fsdp=8)
+  assert not [c for c in cols if c.shape == (CFG.vocab_size, D)]
+  assert payload(cols, "all-to-all") == 2 * B * L * D * 4 // 8
+
+
+def test_vocab_over_fsdp_gathers_the_group_tokens_instead_of_the_head():
+  """With the vocab split over fsdp the head [D, V] is not gathered; the group's hidden states
+  are gathered instead (sharding.rules.split_vocab_over_fsdp). XLA then gathers the embedding
+  table [V, D] (split over its vocab) for the lookup, as FSDP does with any weight. Whether
+  that moves fewer bytes depends on tokens vs vocab: "auto" keeps it off for this model's 512
+  tokens per step and 264 vocab columns."""
+  _, off = program(fsdp=8)
+  _, on = program(fsdp=8, vocab_over_fsdp="on")
+  head = (D, CFG.vocab_size)
+  assert [c for c in off if c.kind == "all-gather" and c.shape == head]  # the variants differ
+  assert not [c for c in on if c.shape == head]
+  assert [c for c in on if c.kind == "all-gather" and c.shape[-1] == D and c.bytes == B * L * D * 4]
 
 
 def test_tensor_parallel_all_reduces_activations_twice_per_layer_each_way():

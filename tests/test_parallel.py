@@ -50,6 +50,10 @@ LAYOUTS = {
     "fsdp=2,tensor=4": (M(fsdp=2, tensor=4), {}),
     "fsdp=2,tensor=4,sp": (M(fsdp=2, tensor=4, sequence_parallel=True), {}),
     "data=2,fsdp=2,tensor=2": (M(data=2, fsdp=2, tensor=2), {}),
+    # The vocab dims split over fsdp (logits of the group's whole tokens; sharding.rules).
+    "fsdp=8,vocab_over_fsdp": (M(fsdp=8, vocab_over_fsdp="on"), {}),
+    "fsdp=4,tensor=2,sp,vocab_over_fsdp": (
+        M(fsdp=4, tensor=2, sequence_parallel=True, vocab_over_fsdp="on"), {}),
     "data=8,zero=1": (M(data=8, zero_stage=1), {}),
     "data=8,zero=2": (M(data=8, zero_stage=2), {}),
     "data=8,zero=3": (M(data=8, zero_stage=3), {}),

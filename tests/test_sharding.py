@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 import sharding
 from configs import llama
 from sharding import LayoutError, MeshConfig
-from sharding.rules import DEFAULT_RULES, layout_rules, logical_to_spec, role_rules
+from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, role_rules,
+                            split_vocab_over_fsdp)
 from trainer.loop import Trainer
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sharding_debug.txt")
@@ -61,6 +62,39 @@ def test_rules_resolve_in_priority_order_each_axis_once():
   assert logical_to_spec(("experts", "embed"), (4, 32), SIZES, DEFAULT_RULES) == P(None, "fsdp")
 
 
+def test_vocab_over_fsdp_splits_the_vocab_dims_and_keeps_the_group_tokens_whole():
+  split = layout_rules(DEFAULT_RULES, vocab_over_fsdp=True)
+  assert split != DEFAULT_RULES
+  # Logits: the vocab takes fsdp before the batch can; the head and the table split their vocab
+  # dim over tensor and fsdp, so their `embed` dim stays whole.
+  assert logical_to_spec(("batch", "seq", "act_vocab"), (8, 16, 64), SIZES, split) == \
+      P("data", None, ("tensor", "fsdp"))
+  assert logical_to_spec(("embed", "vocab"), (32, 64), SIZES, split) == P(None, ("tensor", "fsdp"))
+  assert logical_to_spec(("vocab", "embed"), (64, 32), SIZES, split) == P(("tensor", "fsdp"), None)
+  # Without it, the same names resolve as before: batch over data x fsdp, embed over fsdp.
+  assert logical_to_spec(("batch", "seq", "act_vocab"), (8, 16, 64), SIZES, DEFAULT_RULES) == \
+      P(("data", "fsdp"), None, "tensor")
+  assert logical_to_spec(("embed", "vocab"), (32, 64), SIZES, DEFAULT_RULES) == P("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("setting,fsdp,tensor,vocab,tokens,expected", [
+    ("auto", 8, 1, 32000, 2048, True),     # gathering 2048 token rows beats 32000 head columns
+    ("auto", 8, 1, 32000, 8000, True),     # at the 4x margin
+    ("auto", 8, 1, 32000, 8001, False),
+    ("auto", 8, 1, 32000, 65536, False),   # a large batch keeps the weight gathers
+    ("auto", 4, 2, 32000, 4096, False),    # tensor already splits the head: 16000 columns each
+    ("auto", 4, 2, 32000, 2048, True),
+    ("auto", 8, 1, 32004, 2048, False),    # the vocab does not divide over fsdp
+    ("auto", 1, 8, 32000, 2048, False),    # no fsdp, nothing to decide
+    ("on", 8, 1, 32000, 65536, True),
+    ("off", 8, 1, 32000, 2048, False),
+])
+def test_vocab_over_fsdp_auto_picks_the_smaller_gather(setting, fsdp, tensor, vocab, tokens,
+                                                       expected):
+  assert split_vocab_over_fsdp(setting, fsdp=fsdp, tensor=tensor, vocab=vocab,
+                               group_tokens=tokens) is expected
+
+
 def test_indivisible_dim_names_tensor_shape_and_axes():
   sizes = dict(SIZES, tensor=16)
   with pytest.raises(LayoutError) as error:
@@ -106,6 +140,7 @@ def debug_config(**mesh):
      "seq_len=33 is not divisible by context x tensor"),
     (dict(data=8, sequence_parallel=True), {}, "sequence_parallel=True needs tensor"),
     (dict(data=4), {}, "has 4 devices but 8 are available"),
+    (dict(fsdp=8, vocab_over_fsdp="yes"), {}, "mesh.vocab_over_fsdp='yes' is not a choice"),
 ])
 def test_invalid_layouts_fail_before_compiling(mesh, options, message):
   cfg = debug_config(**mesh)

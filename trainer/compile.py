@@ -36,7 +36,8 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
       "model": f"{cfg.model.num_params() / 1e9:.3f}B parameters, {cfg.model.num_layers} layers",
       "mesh": ", ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1) or "1 device",
       "layout": f"zero_stage={cfg.mesh.zero_stage}, sequence_parallel="
-                f"{cfg.mesh.sequence_parallel}, microbatches={cfg.microbatches},"
+                f"{cfg.mesh.sequence_parallel}, vocab_over_fsdp={trainer.vocab_over_fsdp},"
+                f" microbatches={cfg.microbatches},"
                 f" remat={cfg.model.remat}",
       "tokens per step": tokens,
       "xla options": f"preset {cfg.xla_preset}"

@@ -58,16 +58,24 @@ class Trainer:
                        f" {cfg.model.vocab_size}; set --config.model.vocab_size to at least that")
     self.mesh = sharding.make_mesh(cfg.mesh, devices)
     validate_layout(cfg, sharding.mesh_sizes(self.mesh))
+    sizes = sharding.mesh_sizes(self.mesh)
+    # The tokens of one microbatch that the fsdp group shares (split over fsdp, not otherwise).
+    group_tokens = cfg.batch_size * cfg.seq_len / (
+        cfg.microbatches * sizes["data"] * sizes["expert"] * sizes["context"])
+    self.vocab_over_fsdp = sharding.split_vocab_over_fsdp(
+        cfg.mesh.vocab_over_fsdp, fsdp=sizes["fsdp"], tensor=sizes["tensor"],
+        vocab=cfg.model.vocab_size, group_tokens=group_tokens)
+    layout = dict(sequence_parallel=cfg.mesh.sequence_parallel,
+                  vocab_over_fsdp=self.vocab_over_fsdp)
     overrides = sharding.parse_overrides(cfg.sharding_rules)
     self.rules = sharding.layout_rules(sharding.with_overrides(sharding.DEFAULT_RULES, overrides),
-                                       sequence_parallel=cfg.mesh.sequence_parallel)
+                                       **layout)
     with self.context():
       self.graphdef, abstract_params = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
       self.param_rows = report.param_rows(self.names, abstract_params)
       report.check_replication(self.param_rows, cfg.max_replicated_fraction,
-                               sharding.layout_rules(sharding.DEFAULT_RULES,
-                                                     sequence_parallel=cfg.mesh.sequence_parallel))
+                               sharding.layout_rules(sharding.DEFAULT_RULES, **layout))
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
       self._init = make_init_fn(cfg.model, self.tx, cfg.seed)
       self.abstract_state = jax.eval_shape(self._init)
@@ -129,7 +137,8 @@ class Trainer:
     per_device = sum(r.bytes_per_device for r in self.param_rows)
     return "\n".join([
         f"mesh {dict(self.mesh.shape)}, zero_stage {self.cfg.mesh.zero_stage},"
-        f" sequence_parallel {self.cfg.mesh.sequence_parallel}",
+        f" sequence_parallel {self.cfg.mesh.sequence_parallel},"
+        f" vocab_over_fsdp {self.vocab_over_fsdp}",
         "parameters:", report.format_rows(self.param_rows),
         f"parameter bytes per device: {per_device:,}"
         f" ({report.replicated_fraction(self.param_rows):.1%} of bytes replicated)",
