@@ -172,6 +172,7 @@ class Layout:
   mbs: int = 1
   ga: int = 1
   remat: str = "none"
+  vocab_over_fsdp: str = "auto"  # as the trainer's mesh.vocab_over_fsdp (sharding.rules)
 
   @property
   def num_devices(self) -> int:
@@ -247,6 +248,15 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   # One stage keeps the embedding and the last the head; tied tables live on both end stages.
   tables = (1 if m.tie_embeddings or lay.pp > 1 else 2) * m.vocab_size * m.embed_dim / lay.tp
   return ParamCounts(layers * per_layer, tables, layers * 2 * m.embed_dim + m.embed_dim, per_layer)
+
+
+def vocab_split(model: ModelSpec, layout: Layout, seq_len: int) -> bool:
+  """Whether the trainer splits the vocab over fsdp for this layout: the same decision from the
+  tokens of a microbatch of the fsdp group (sharding.rules.split_vocab_over_fsdp)."""
+  from sharding.rules import split_vocab_over_fsdp
+  return split_vocab_over_fsdp(layout.vocab_over_fsdp, fsdp=layout.fsdp, tensor=layout.tp,
+                               vocab=model.vocab_size,
+                               group_tokens=layout.mbs * layout.fsdp * seq_len / layout.cp)
 
 
 def shards(layout: Layout) -> tuple[int, int, int]:

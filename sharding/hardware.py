@@ -6,7 +6,7 @@ import math
 import os
 
 from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, memory, model_spec,
-                               param_counts)
+                               param_counts, vocab_split)
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
 MESH_ORDER = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
@@ -148,18 +148,32 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     out.append(Collective(tuple(a for a, _ in sync), "all-reduce", "grad_sync", grads / n, n,
                           math.prod(size for _, size in sync)))
   n_z3 = lay.fsdp * (lay.dp if lay.zero == 3 else 1)
+  tokens = lay.mbs * seq_len / lay.cp
+  act = tokens * m.embed_dim * pr.act_bytes
   if n_z3 > 1:
     axes = ("data", "fsdp") if lay.zero == 3 else ("fsdp",)
     layers = counts.layers * pr.param_bytes
-    rest = (counts.tables + counts.replicated) * pr.param_bytes
+    # Over `fsdp` the embedding lookup moves token rows (an all-to-all each way), not the table:
+    # only the head (or the tied table as head) is gathered and has its gradient reduced, and
+    # neither is with the vocab split over fsdp (models/layers.Embed, sharding.rules).
+    table = m.vocab_size * m.embed_dim / lay.tp
+    by_rows = lay.fsdp > 1 and not (lay.zero == 3 and lay.dp > 1)
+    split = vocab_split(m, lay, seq_len)
+    gathered = counts.tables if not by_rows else 0.0 if split else table
+    local = 0.0 if not by_rows else counts.tables if split else counts.tables - table
+    rest = (gathered + counts.replicated) * pr.param_bytes
     ops = 2 * m.num_layers / lay.pp + 1  # each layer forward and backward, the tables once
     out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, lay.ga * ops,
                           n_z3))
     ops = m.num_layers / lay.pp + 1
-    out.append(Collective(axes, "reduce-scatter", "zero3", counts.total * pr.grad_bytes / ops,
-                          lay.ga * ops, n_z3))
-  tokens = lay.mbs * seq_len / lay.cp
-  act = tokens * m.embed_dim * pr.act_bytes
+    out.append(Collective(axes, "reduce-scatter", "zero3",
+                          (counts.total - local) * pr.grad_bytes / ops, lay.ga * ops, n_z3))
+    if by_rows:
+      out.append(Collective(("fsdp",), "all-to-all", "zero3", act, 2 * lay.ga, lay.fsdp))
+    if split:  # the group's hidden states and embedding rows, and their gradients
+      group = act * lay.fsdp
+      for kind in ("all-gather", "reduce-scatter"):
+        out.append(Collective(("fsdp",), kind, "zero3", group, 2 * lay.ga, lay.fsdp))
   layer_passes = lay.ga * m.num_layers / lay.pp
   if lay.tp > 1:
     again = 1 if lay.remat == "full" else 0

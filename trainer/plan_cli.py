@@ -71,7 +71,8 @@ def layout_from_config(cfg, num_devices: int) -> estimate.Layout:
   return estimate.Layout(dp=sizes["data"], fsdp=sizes["fsdp"], zero=cfg.mesh.zero_stage,
                          tp=sizes["tensor"], sp=cfg.mesh.sequence_parallel, cp=sizes["context"],
                          pp=sizes["pipeline"], ep=sizes["expert"], ga=cfg.microbatches,
-                         mbs=cfg.batch_size // (shards * cfg.microbatches), remat=cfg.model.remat)
+                         mbs=cfg.batch_size // (shards * cfg.microbatches), remat=cfg.model.remat,
+                         vocab_over_fsdp=cfg.mesh.vocab_over_fsdp)
 
 
 def format_memory(cand: planner.Candidate, title: str, hw: hardware.HardwareProfile) -> str:
