@@ -38,7 +38,8 @@ class MeshConfig:
   # over `tensor` (all-gather + reduce-scatter instead of all-reduce).
   sequence_parallel: bool = False
   # With fsdp > 1: split the vocab dims (embedding table, head, logits) over `fsdp` instead of
-  # gathering those weights; "auto" does when it moves fewer bytes (sharding.rules).
+  # gathering those weights; "auto" does when the head is at least 4x larger than the token rows
+  # of the group (sharding.rules.split_vocab_over_fsdp).
   vocab_over_fsdp: str = "auto"
   # With pipeline > 1: the schedule (afab, 1f1b, interleaved_1f1b, zero_bubble) of the
   # microbatches (TrainConfig.microbatches) and the layer chunks per stage (interleaving).

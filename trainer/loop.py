@@ -57,8 +57,8 @@ class Trainer:
       raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is"
                        f" {cfg.model.vocab_size}; set --config.model.vocab_size to at least that")
     self.mesh = sharding.make_mesh(cfg.mesh, devices)
-    validate_layout(cfg, sharding.mesh_sizes(self.mesh))
     sizes = sharding.mesh_sizes(self.mesh)
+    validate_layout(cfg, sizes)
     # The tokens of one microbatch that the fsdp group shares (split over fsdp, not otherwise).
     group_tokens = cfg.batch_size * cfg.seq_len / (
         cfg.microbatches * sizes["data"] * sizes["expert"] * sizes["context"])
