@@ -8,6 +8,7 @@ from flax import nnx
 
 from models import fp8 as fp8_ops
 from sharding import constrain, tokens_split
+from sharding.pipeline import pipeline_stages
 
 
 def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -70,8 +71,14 @@ class Embed(nnx.Module):
     # tokens' full rows. That moves tokens x D values instead of V x D, and so does the gradient
     # (no [V, D] reduction). With the vocab split over fsdp (sharding.rules), XLA gathers the
     # table as for any FSDP weight. Cast first, so any gather moves compute-dtype bytes.
-    table = constrain(self.table[...].astype(self.dtype), ("vocab", "embed"))
-    rows = jnp.take(table, tokens_BL, axis=0)
+    table = self.table[...].astype(self.dtype)
+    if pipeline_stages() > 1:
+      # Inside the pipeline's partly manual shard_map, XLA's SPMD partitioner aborts on this
+      # lookup (CHECK in ExpandDeviceGroupsWithIota, jaxlib 0.10.2, with fsdp x tensor): gather
+      # the `embed` dim first there and keep `vocab` split, each tensor-parallel device looking
+      # up its vocab slice (Megatron's vocab-parallel embedding).
+      return jnp.take(constrain(table, ("vocab", None)), tokens_BL, axis=0)
+    rows = jnp.take(constrain(table, ("vocab", "embed")), tokens_BL, axis=0)
     return constrain(rows, ("lookup_batch", "seq", "embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:

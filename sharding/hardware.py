@@ -153,11 +153,12 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   if n_z3 > 1:
     axes = ("data", "fsdp") if lay.zero == 3 else ("fsdp",)
     layers = counts.layers * pr.param_bytes
-    # Over `fsdp` the embedding lookup moves token rows (an all-to-all each way), not the table:
-    # only the head (or the tied table as head) is gathered and has its gradient reduced, and
-    # neither is with the vocab split over fsdp (models/layers.Embed, sharding.rules).
+    # Over `fsdp` (without a pipeline) the embedding lookup moves token rows, an all-to-all each
+    # way, not the table: only the head (or the tied table as head) is gathered and has its
+    # gradient reduced, and neither is with the vocab split over fsdp (models/layers.Embed,
+    # sharding.rules).
     table = m.vocab_size * m.embed_dim / lay.tp
-    by_rows = lay.fsdp > 1 and not (lay.zero == 3 and lay.dp > 1)
+    by_rows = lay.fsdp > 1 and lay.pp == 1 and not (lay.zero == 3 and lay.dp > 1)
     split = vocab_split(m, lay, seq_len)
     gathered = counts.tables if not by_rows else 0.0 if split else table
     local = 0.0 if not by_rows else counts.tables if split else counts.tables - table
