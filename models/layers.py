@@ -8,7 +8,6 @@ from flax import nnx
 
 from models import fp8 as fp8_ops
 from sharding import constrain, tokens_split
-from sharding.pipeline import pipeline_stages
 
 
 def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -66,20 +65,16 @@ class Embed(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-    # Under FSDP the table is not gathered: each device looks up the rows of its fsdp group's
-    # tokens in its own `embed` columns of the table, then an all-to-all hands each device its
-    # tokens' full rows. That moves tokens x D values instead of V x D, and so does the gradient
-    # (no [V, D] reduction). With the vocab split over fsdp (sharding.rules), XLA gathers the
-    # table as for any FSDP weight. Cast first, so any gather moves compute-dtype bytes.
-    table = self.table[...].astype(self.dtype)
-    if pipeline_stages() > 1:
-      # Inside the pipeline's partly manual shard_map, XLA's SPMD partitioner aborts on this
-      # lookup (CHECK in ExpandDeviceGroupsWithIota, jaxlib 0.10.2, with fsdp x tensor): gather
-      # the `embed` dim first there and keep `vocab` split, each tensor-parallel device looking
-      # up its vocab slice (Megatron's vocab-parallel embedding).
-      return jnp.take(constrain(table, ("vocab", None)), tokens_BL, axis=0)
-    rows = jnp.take(constrain(table, ("vocab", "embed")), tokens_BL, axis=0)
-    return constrain(rows, ("lookup_batch", "seq", "embed"))
+    # With `lookup_embed` over fsdp (sharding.rules, when the fsdp group has fewer tokens than
+    # the vocab) the table is not gathered: each device looks up the rows of its fsdp group's
+    # tokens in its own `embed` columns, then an all-to-all hands each device its tokens' full
+    # rows, and the gradient comes back the same way (no [V, D] reduction). Otherwise the
+    # `embed` dim is gathered first and `vocab` stays split: each tensor-parallel device looks
+    # up its vocab slice (Megatron's vocab-parallel embedding). Cast first, so any gather moves
+    # compute-dtype bytes.
+    table = constrain(self.table[...].astype(self.dtype), ("vocab", "lookup_embed"))
+    rows = jnp.take(table, tokens_BL, axis=0)
+    return constrain(rows, ("lookup_batch", "seq", "lookup_embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:
     return jnp.einsum("BLD,VD->BLV", x_BLD, self.table[...].astype(self.dtype))

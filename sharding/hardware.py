@@ -7,6 +7,7 @@ import os
 
 from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, memory, model_spec,
                                param_counts, vocab_split)
+from sharding.rules import lookup_moves_rows
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
 MESH_ORDER = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
@@ -153,15 +154,16 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   if n_z3 > 1:
     axes = ("data", "fsdp") if lay.zero == 3 else ("fsdp",)
     layers = counts.layers * pr.param_bytes
-    # Over `fsdp` (without a pipeline) the embedding lookup moves token rows, an all-to-all each
-    # way, not the table: only the head (or the tied table as head) is gathered and has its
-    # gradient reduced, and neither is with the vocab split over fsdp (models/layers.Embed,
-    # sharding.rules).
+    # Where the embedding lookup moves token rows (an all-to-all each way; sharding.rules), not
+    # the table: only the head (or the tied table as head) is gathered and has its gradient
+    # reduced, and neither is with the vocab split over fsdp (models/layers.Embed).
     table = m.vocab_size * m.embed_dim / lay.tp
-    by_rows = lay.fsdp > 1 and lay.pp == 1 and not (lay.zero == 3 and lay.dp > 1)
+    by_rows = not (lay.zero == 3 and lay.dp > 1) and lookup_moves_rows(
+        fsdp=lay.fsdp, tensor=lay.tp, pipeline=lay.pp, vocab=m.vocab_size,
+        group_tokens=lay.mbs * lay.fsdp * seq_len / lay.cp)
     split = vocab_split(m, lay, seq_len)
-    gathered = counts.tables if not by_rows else 0.0 if split else table
-    local = 0.0 if not by_rows else counts.tables if split else counts.tables - table
+    gathered = 0.0 if split else table if by_rows else counts.tables
+    local = counts.tables if split else counts.tables - table if by_rows else 0.0
     rest = (gathered + counts.replicated) * pr.param_bytes
     ops = 2 * m.num_layers / lay.pp + 1  # each layer forward and backward, the tables once
     out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, lay.ga * ops,

@@ -37,8 +37,10 @@ DEFAULT_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("vocab", ("tensor",)),
     ("embed", ("fsdp",)),
-    # The batch dim of embedding lookups [B, L, D]: after `embed`, so it takes only the batch
-    # axes that the table's `embed` dim does not (models/layers.py Embed).
+    # Embedding lookups [B, L, D] (models/layers.py Embed): the table's columns and the rows'
+    # `embed` dim are split over fsdp only when the lookup moves token rows (layout_rules);
+    # the batch dim then takes only the batch axes `lookup_embed` does not.
+    ("lookup_embed", ()),
     ("lookup_batch", ("data", "fsdp", "expert")),
     ("head_dim", ()),
     ("norm", ()),
@@ -75,14 +77,16 @@ ZERO_STAGE_OF_ROLE = {"opt_state": 1, "grads": 2, "params": 3}
 
 
 def layout_rules(rules: Rules, *, sequence_parallel: bool = False,
-                 vocab_over_fsdp: bool = False) -> Rules:
+                 vocab_over_fsdp: bool = False, lookup_rows: bool = False) -> Rules:
   """The rules of a layout. Sequence parallelism adds `tensor` to `res_seq`: the residual stream
   is sequence-sharded between the tensor-parallel regions (attention, MLP, head), which keep the
   whole sequence and split heads / hidden / vocab instead. `vocab_over_fsdp` (see
-  `split_vocab_over_fsdp`) adds `fsdp` to the vocab dims of the weights and the logits."""
+  `split_vocab_over_fsdp`) adds `fsdp` to the vocab dims of the weights and the logits.
+  `lookup_rows` (see `lookup_moves_rows`) adds it to `lookup_embed`."""
   added = {"res_seq": ("tensor",) if sequence_parallel else (),
            "vocab": ("fsdp",) if vocab_over_fsdp else (),
-           "act_vocab": ("fsdp",) if vocab_over_fsdp else ()}
+           "act_vocab": ("fsdp",) if vocab_over_fsdp else (),
+           "lookup_embed": ("fsdp",) if lookup_rows else ()}
   return tuple((name, axes + added.get(name, ())) for name, axes in rules)
 
 
@@ -114,6 +118,19 @@ def split_vocab_over_fsdp(setting: str, *, fsdp: int, tensor: int, vocab: int,
     return False
   return setting == "on" or (vocab % (fsdp * tensor) == 0
                              and VOCAB_MARGIN * group_tokens <= vocab / tensor)
+
+
+def lookup_moves_rows(*, fsdp: int, tensor: int, pipeline: int, vocab: int,
+                      group_tokens: float) -> bool:
+  """Whether an FSDP embedding lookup moves token rows instead of gathering the table.
+
+  Gathering the table moves V / tensor rows to every device of the fsdp group (and reduces as
+  many gradient rows). Moving token rows: each device looks up the group's tokens in its `embed`
+  columns and an all-to-all returns its own tokens' full rows, group_tokens / fsdp rows a device
+  each way. Chosen when the group has fewer tokens than the table has rows. Not under pipeline
+  parallelism: there XLA's SPMD partitioner aborts on the lookup inside the pipeline's partly
+  manual shard_map (CHECK in ExpandDeviceGroupsWithIota, jaxlib 0.10.2, fsdp x tensor)."""
+  return fsdp > 1 and pipeline == 1 and group_tokens < vocab / tensor
 
 
 def role_rules(rules: Rules, role: str, zero_stage: int) -> Rules:

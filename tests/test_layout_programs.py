@@ -95,13 +95,18 @@ def test_zero_3_gathers_each_layer_forward_and_backward():
 
 
 def test_fsdp_looks_up_embeddings_without_gathering_the_table():
-  """FSDP moves token rows, not the [V, D] table (models/layers.Embed): each device looks up its
-  columns of the table for the tokens of its fsdp group, and an all-to-all hands each device its
-  tokens' full rows, B L D / 8 values, forward and (the gradient) backward. The table is neither
-  gathered nor is its gradient reduced whole."""
-  _, cols = program(fsdp=8)
-  assert not [c for c in cols if c.shape == (CFG.vocab_size, D)]
-  assert payload(cols, "all-to-all") == 2 * B * L * D * 4 // 8
+  """When the fsdp group has fewer tokens per microbatch (32 x 16 / 4 = 128) than the table has
+  rows (264), the lookup moves token rows, not the [V, D] table (sharding.rules.
+  lookup_moves_rows): each device looks up its columns of the table for the group's tokens, and
+  an all-to-all hands each device its tokens' full rows, B L D / 8 values a step, forward and
+  (the gradient) backward. With 512 tokens per microbatch the table is gathered instead."""
+  table = (CFG.vocab_size, D)
+  _, whole = program(fsdp=8)
+  assert [c for c in whole if c.kind == "all-gather" and c.shape == table]  # the variants differ
+  assert payload(whole, "all-to-all") == 0
+  _, rows = program(microbatches=4, fsdp=8)
+  assert not [c for c in rows if c.shape == table]
+  assert payload(rows, "all-to-all") == 2 * B * L * D * 4 // 8
 
 
 def test_vocab_over_fsdp_gathers_the_group_tokens_instead_of_the_head():

@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 import sharding
 from configs import llama
 from sharding import LayoutError, MeshConfig
-from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, role_rules,
-                            split_vocab_over_fsdp)
+from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, lookup_moves_rows,
+                            role_rules, split_vocab_over_fsdp)
 from trainer.loop import Trainer
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sharding_debug.txt")
@@ -93,6 +93,19 @@ def test_vocab_over_fsdp_auto_picks_the_smaller_gather(setting, fsdp, tensor, vo
                                                        expected):
   assert split_vocab_over_fsdp(setting, fsdp=fsdp, tensor=tensor, vocab=vocab,
                                group_tokens=tokens) is expected
+
+
+@pytest.mark.parametrize("fsdp,tensor,pipeline,tokens,expected", [
+    (8, 1, 1, 2048, True),    # 2048 token rows against 32000 table rows
+    (8, 1, 1, 32000, False),
+    (4, 2, 1, 16000, False),  # tensor already splits the table: 16000 rows each
+    (8, 1, 2, 2048, False),   # not inside the pipeline's shard_map (XLA aborts there)
+    (1, 8, 1, 2048, False),   # no fsdp, nothing to gather
+])
+def test_lookup_moves_rows_when_the_group_has_fewer_tokens_than_the_table(
+    fsdp, tensor, pipeline, tokens, expected):
+  assert lookup_moves_rows(fsdp=fsdp, tensor=tensor, pipeline=pipeline, vocab=32000,
+                           group_tokens=tokens) is expected
 
 
 def test_indivisible_dim_names_tensor_shape_and_axes():

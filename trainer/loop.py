@@ -66,7 +66,10 @@ class Trainer:
         cfg.mesh.vocab_over_fsdp, fsdp=sizes["fsdp"], tensor=sizes["tensor"],
         vocab=cfg.model.vocab_size, group_tokens=group_tokens)
     layout = dict(sequence_parallel=cfg.mesh.sequence_parallel,
-                  vocab_over_fsdp=self.vocab_over_fsdp)
+                  vocab_over_fsdp=self.vocab_over_fsdp,
+                  lookup_rows=sharding.lookup_moves_rows(
+                      fsdp=sizes["fsdp"], tensor=sizes["tensor"], pipeline=sizes["pipeline"],
+                      vocab=cfg.model.vocab_size, group_tokens=group_tokens))
     overrides = sharding.parse_overrides(cfg.sharding_rules)
     self.rules = sharding.layout_rules(sharding.with_overrides(sharding.DEFAULT_RULES, overrides),
                                        **layout)
