@@ -9,6 +9,7 @@ import functools
 import math
 
 from sharding import schedules
+from sharding.rules import split_vocab_over_fsdp
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
@@ -250,13 +251,18 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   return ParamCounts(layers * per_layer, tables, layers * 2 * m.embed_dim + m.embed_dim, per_layer)
 
 
+def fsdp_group_tokens(layout: Layout, seq_len: int) -> float:
+  """The tokens of one microbatch that an fsdp group shares (what the trainer's layout
+  decisions in sharding.rules compare with the vocab)."""
+  return layout.mbs * layout.fsdp * seq_len / layout.cp
+
+
 def vocab_split(model: ModelSpec, layout: Layout, seq_len: int) -> bool:
   """Whether the trainer splits the vocab over fsdp for this layout: the same decision from the
-  tokens of a microbatch of the fsdp group (sharding.rules.split_vocab_over_fsdp)."""
-  from sharding.rules import split_vocab_over_fsdp
+  same tokens (sharding.rules.split_vocab_over_fsdp)."""
   return split_vocab_over_fsdp(layout.vocab_over_fsdp, fsdp=layout.fsdp, tensor=layout.tp,
                                vocab=model.vocab_size,
-                               group_tokens=layout.mbs * layout.fsdp * seq_len / layout.cp)
+                               group_tokens=fsdp_group_tokens(layout, seq_len))
 
 
 def shards(layout: Layout) -> tuple[int, int, int]:

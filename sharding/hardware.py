@@ -5,8 +5,8 @@ import json
 import math
 import os
 
-from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, memory, model_spec,
-                               param_counts, vocab_split)
+from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, fsdp_group_tokens,
+                               memory, model_spec, param_counts, vocab_split)
 from sharding.rules import lookup_moves_rows
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
@@ -160,7 +160,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     table = m.vocab_size * m.embed_dim / lay.tp
     by_rows = not (lay.zero == 3 and lay.dp > 1) and lookup_moves_rows(
         fsdp=lay.fsdp, tensor=lay.tp, pipeline=lay.pp, vocab=m.vocab_size,
-        group_tokens=lay.mbs * lay.fsdp * seq_len / lay.cp)
+        group_tokens=fsdp_group_tokens(lay, seq_len))
     split = vocab_split(m, lay, seq_len)
     gathered = 0.0 if split else table if by_rows else counts.tables
     local = counts.tables if split else counts.tables - table if by_rows else 0.0
