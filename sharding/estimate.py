@@ -5,7 +5,6 @@ formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: s
 """
 
 import dataclasses
-import functools
 import math
 
 from sharding import schedules
@@ -335,55 +334,6 @@ def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, 
   return tokens * per_token
 
 
-@functools.lru_cache(maxsize=512)
-def _table(kind: str, stages: int, microbatches: int, virtual: int) -> schedules.Schedule:
-  return schedules.make(kind, stages, microbatches, virtual)
-
-
-def pipeline_table(layout: Layout) -> schedules.Schedule | None:
-  """The tick table the executor runs (sharding/schedules.py), or None without a pipeline or for
-  a layout the executor refuses (e.g. fewer microbatches than stages for 1F1B)."""
-  if layout.pp == 1:
-    return None
-  try:
-    return _table(layout.schedule, layout.pp, layout.ga, layout.vpp)
-  except ValueError:
-    return None
-
-
-def in_flight_microbatches(layout: Layout) -> float:
-  """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
-  peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et al. 2021,
-  arXiv:2104.04473) — closed forms that the executor's tick tables reproduce exactly
-  (tests/test_estimate.py) — and zero-bubble (ZB-H1) read off its table (1F1B's by design)."""
-  p, m = layout.pp, layout.ga
-  if p == 1:
-    return 1
-  table = pipeline_table(layout) if layout.schedule == "zero_bubble" else None
-  if table is not None:
-    return float(table.in_flight().max())
-  if layout.schedule == "afab":
-    return m
-  if layout.schedule == "interleaved_1f1b":
-    # With m <= p every chunk of every microbatch runs forward before the first backward.
-    return m if m <= p else p * (1 + (p - 1) / (p * layout.vpp))
-  return min(m, p)
-
-
-def bubble_ratio(layout: Layout) -> float:
-  """Idle over busy time of a pipeline stage, with equal-length ticks: (p-1)/m for AFAB and 1F1B,
-  (p-1)/(v m) interleaved (closed forms equal to the tick tables), and for zero-bubble its table
-  (the deferred weight passes fill most of the bubble; a third of 1F1B's if no table)."""
-  if layout.pp == 1:
-    return 0.0
-  table = pipeline_table(layout) if layout.schedule == "zero_bubble" else None
-  if table is not None:
-    idle = table.bubble_fraction()
-    return idle / (1 - idle)
-  ratio = (layout.pp - 1) / (layout.vpp * layout.ga)
-  return ratio / 3 if layout.schedule == "zero_bubble" else ratio
-
-
 def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
@@ -393,7 +343,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   terms = activation_terms(m, precision.act_bytes, formula)
   tokens = lay.mbs * seq_len / lay.cp  # per device per microbatch (CP splits the sequence)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
-  activations = per_layer * (m.num_layers / lay.pp) * in_flight_microbatches(lay)
+  activations = per_layer * (m.num_layers / lay.pp) * schedules.in_flight_microbatches(
+      lay.schedule, lay.pp, lay.ga, lay.vpp)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tp * (precision.act_bytes + 8)
   temporaries = workspace_bytes

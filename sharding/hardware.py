@@ -5,8 +5,9 @@ import json
 import math
 import os
 
-from sharding.estimate import (Layout, ModelSpec, Precision, bubble_ratio, fsdp_group_tokens,
-                               memory, model_spec, param_counts, vocab_split)
+from sharding import schedules
+from sharding.estimate import (Layout, ModelSpec, Precision, fsdp_group_tokens, memory, model_spec,
+                               param_counts, vocab_split)
 from sharding.rules import lookup_moves_rows
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
@@ -242,8 +243,8 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
               order: tuple = MESH_ORDER) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
-  kind, the pipeline bubble of the schedule's tick table (estimate.bubble_ratio) and the optimizer update at
-  HBM bandwidth."""
+  kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
+  optimizer update at HBM bandwidth."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
   passes = 3 * lay.ga * lay.vpp * m.num_layers / lay.pp
@@ -266,7 +267,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     else:
       stage_exposed += (1 - o) * t
   stage = compute + stage_exposed
-  bubble = stage * bubble_ratio(lay)
+  bubble = stage * schedules.bubble_ratio(lay.schedule, lay.pp, lay.ga, lay.vpp)
   mem = memory(m, lay, seq_len, precision, workspace_bytes=0)
   optimizer = 2 * mem.state / hw.hbm_bandwidth  # read and write params, grads, moments
   exposed = stage_exposed + dp_exposed + max(0.0, hidden - compute)

@@ -6,6 +6,7 @@ number of in-flight microbatches come from the same table (and feed the analytic
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -170,3 +171,46 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
   table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3]
   return Schedule(kind, stages, microbatches, virtual, table[..., 0], table[..., 1],
                   table[..., 2])
+
+
+@functools.lru_cache(maxsize=512)
+def table_if_valid(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule | None:
+  """The table the executor runs, or None for a layout it refuses (e.g. fewer microbatches than
+  stages for 1F1B). Cached: the planner asks for the same few tables for thousands of layouts."""
+  try:
+    return make(kind, stages, microbatches, virtual)
+  except ValueError:
+    return None
+
+
+def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+  """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
+  peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et
+  al. 2021, arXiv:2104.04473) — closed forms that the tick tables reproduce exactly
+  (tests/test_estimate.py) — and zero-bubble (ZB-H1) read off its table (1F1B's by design)."""
+  p, m = stages, microbatches
+  if p == 1:
+    return 1
+  table = table_if_valid(kind, p, m, virtual) if kind == "zero_bubble" else None
+  if table is not None:
+    return float(table.in_flight().max())
+  if kind == "afab":
+    return m
+  if kind == "interleaved_1f1b":
+    # With m <= p every chunk of every microbatch runs forward before the first backward.
+    return m if m <= p else p * (1 + (p - 1) / (p * virtual))
+  return min(m, p)
+
+
+def bubble_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+  """Idle over busy time of a pipeline stage, with equal-length ticks: (p-1)/m for AFAB and 1F1B,
+  (p-1)/(v m) interleaved (closed forms equal to the tick tables), and for zero-bubble its table
+  (the deferred weight passes fill most of the bubble; a third of 1F1B's if no table)."""
+  if stages == 1:
+    return 0.0
+  table = table_if_valid(kind, stages, microbatches, virtual) if kind == "zero_bubble" else None
+  if table is not None:
+    idle = table.bubble_fraction()
+    return idle / (1 - idle)
+  ratio = (stages - 1) / (virtual * microbatches)
+  return ratio / 3 if kind == "zero_bubble" else ratio

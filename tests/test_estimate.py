@@ -14,10 +14,9 @@ from configs.llama import MODELS
 from models.config import ModelConfig
 from sharding import hardware
 from sharding.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM, Layout,
-                               ModelSpec, activation_terms, bubble_ratio, in_flight_microbatches,
-                               pipeline_table,
-                               layer_activation_bytes, memory, model_spec, param_counts,
-                               state_bytes, trainer_precision)
+                               ModelSpec, activation_terms, layer_activation_bytes, memory,
+                               model_spec, param_counts, state_bytes, trainer_precision)
+from sharding.schedules import bubble_ratio, in_flight_microbatches, table_if_valid
 
 SMALL = ModelSpec(vocab_size=100, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=4, mlp_dim=32)
@@ -112,26 +111,26 @@ def test_our_llama_activation_terms_by_hand():
 
 
 def test_pipeline_schedules_hold_these_many_microbatches():
-  assert in_flight_microbatches(Layout(pp=4, ga=16, schedule="afab")) == 16
-  assert in_flight_microbatches(Layout(pp=4, ga=16)) == 4
-  assert in_flight_microbatches(Layout(pp=4, ga=2)) == 2
+  assert in_flight_microbatches("afab", 4, 16) == 16
+  assert in_flight_microbatches("1f1b", 4, 16) == 4
+  assert in_flight_microbatches("1f1b", 4, 2) == 2
   # Interleaved: p (1 + (p-1)/(p v)) = 4 x (1 + 3/8).
-  assert in_flight_microbatches(Layout(pp=4, ga=16, schedule="interleaved_1f1b", vpp=2)) == 5.5
-  assert in_flight_microbatches(Layout(pp=16, ga=64, schedule="interleaved_1f1b", vpp=2)) == 23.5
-  assert in_flight_microbatches(Layout(pp=4, ga=16, schedule="zero_bubble")) == 4
+  assert in_flight_microbatches("interleaved_1f1b", 4, 16, 2) == 5.5
+  assert in_flight_microbatches("interleaved_1f1b", 16, 64, 2) == 23.5
+  assert in_flight_microbatches("zero_bubble", 4, 16) == 4
 
 
 def test_pipeline_bubble_comes_from_the_schedule_table():
   # AFAB and 1F1B: (p-1)/m idle per busy tick; interleaved (p-1)/(v m); zero-bubble less than
   # 1F1B at the same memory; the closed form for a layout the executor refuses (m < p).
-  assert bubble_ratio(Layout(pp=4, ga=16, schedule="afab")) == pytest.approx(3 / 16)
-  assert bubble_ratio(Layout(pp=4, ga=16)) == pytest.approx(3 / 16)
-  assert bubble_ratio(Layout(pp=4, ga=16, schedule="interleaved_1f1b", vpp=2)) == \
+  assert bubble_ratio("afab", 4, 16) == pytest.approx(3 / 16)
+  assert bubble_ratio("1f1b", 4, 16) == pytest.approx(3 / 16)
+  assert bubble_ratio("interleaved_1f1b", 4, 16, 2) == \
       pytest.approx(3 / 32)
-  zero_bubble = bubble_ratio(Layout(pp=4, ga=16, schedule="zero_bubble"))
+  zero_bubble = bubble_ratio("zero_bubble", 4, 16)
   assert 0 < zero_bubble < 3 / 16
-  assert pipeline_table(Layout(pp=4, ga=2)) is None
-  assert bubble_ratio(Layout(pp=4, ga=2)) == pytest.approx(3 / 2)
+  assert table_if_valid("1f1b", 4, 2) is None
+  assert bubble_ratio("1f1b", 4, 2) == pytest.approx(3 / 2)
 
 
 @pytest.mark.parametrize("schedule,vpp", [("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
@@ -139,11 +138,11 @@ def test_pipeline_bubble_comes_from_the_schedule_table():
 def test_closed_forms_equal_the_executors_tick_tables(schedule, vpp):
   for p in (2, 4, 8):
     for m in (p, 2 * p, 4 * p):
-      layout = Layout(pp=p, ga=m, schedule=schedule, vpp=vpp)
-      table = pipeline_table(layout)
+      table = table_if_valid(schedule, p, m, vpp)
       idle = table.bubble_fraction()
-      assert bubble_ratio(layout) == pytest.approx(idle / (1 - idle)), (p, m)
-      assert in_flight_microbatches(layout) == pytest.approx(table.in_flight().max() / vpp), (p, m)
+      assert bubble_ratio(schedule, p, m, vpp) == pytest.approx(idle / (1 - idle)), (p, m)
+      peak = table.in_flight().max() / vpp
+      assert in_flight_microbatches(schedule, p, m, vpp) == pytest.approx(peak), (p, m)
 
 
 def test_logits_and_temporaries_by_hand():
