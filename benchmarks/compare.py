@@ -23,9 +23,9 @@ import statistics
 import subprocess
 import sys
 
+from trainer import host_memory
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from trainer import host_memory  # noqa: E402
 
 DEFAULT_CONFIGS = ["tiny:single", "tiny:fsdp=8", "tiny:fsdp=4,tensor=2",
                    "100m:single", "100m:fsdp=8", "100m:fsdp=4,tensor=2"]

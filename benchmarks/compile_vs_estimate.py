@@ -12,16 +12,13 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import llama  # noqa: E402
-from sharding import compiled, estimate  # noqa: E402
-from sharding.mesh import MeshConfig  # noqa: E402
-from trainer.compile import compile_for_gpus  # noqa: E402
-from trainer.plan_cli import layout_from_config  # noqa: E402
+from configs import llama
+from sharding import compiled, estimate
+from sharding.mesh import MeshConfig
+from trainer.compile import compile_for_gpus
+from trainer.plan_cli import layout_from_config
 
 BATCH, SEQ = 8, 4096  # 8 sequences of 4096 tokens: one sequence per GPU per microbatch
 LAYOUTS = [  # (name, mesh, microbatches, remat)

@@ -69,7 +69,6 @@ def main(argv=None) -> None:
   if unknown:
     sys.exit(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from trainer import host_memory
   if argv is None:
     host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/host_memory.py)

@@ -20,12 +20,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import llama  # noqa: E402
-from sharding import compiled, hlo, overlap  # noqa: E402
-from sharding.mesh import MeshConfig  # noqa: E402
-from trainer.compile import compile_for_gpus  # noqa: E402
+from configs import llama
+from sharding import compiled, hlo, overlap
+from sharding.mesh import MeshConfig
+from trainer.compile import compile_for_gpus
 
 SEQ = 4096
 BEFORE_AFTER = ("none", "overlap_v1")

@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 
 # Model presets of the benchmarks (exact dims are part of every JSON line). "tiny" and "100m" use
@@ -215,7 +214,6 @@ def main(argv=None) -> None:
   parser.add_argument("--wait_idle", type=float, default=0,
                       help="first wait up to this many seconds for other load to leave the CPUs")
   args = parser.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from trainer import host_memory
   if argv is None:  # a command line, not a test calling main(): measure with the trainer's malloc
     host_memory.reexec_with_tunables()
