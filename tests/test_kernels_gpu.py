@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from configs import llama
 from models import ModelConfig
@@ -99,6 +100,7 @@ def train_step_peak(seq_len: int, attention_impl: str) -> int:
   return compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8")).memory["peak"]
 
 
+@pytest.mark.slow
 def test_pallas_flash_train_step_memory_grows_linearly_with_the_sequence():
   """The whole train step (data=4 x tensor=2, flash kernels under shard_map) for 8 H100s at seq
   2048, 4096, 8192: each doubling adds twice the previous increment (linear growth, measured

@@ -82,6 +82,7 @@ def test_two_processes_train_like_one_and_hand_over_their_checkpoint(tmp_path, s
   np.testing.assert_allclose([resumed[4], resumed[5]], [single[4], single[5]], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_ends_the_survivor_within_a_minute(tmp_path):
   procs = two_processes(tmp_path, 10_000)
   metrics = tmp_path / "metrics.jsonl"
