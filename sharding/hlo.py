@@ -25,6 +25,15 @@ _GROUP_AXIS = re.compile(r"'?([\w.]+)'?(?::\((\d+)\)(\d+))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
 
+_SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def without_source_info(text: str) -> str:
+  """An optimized HLO module without its source locations (instruction metadata and the file and
+  stack-frame tables): equal for the same program traced from different call sites."""
+  blocks = [b for b in text.split("\n\n") if b.split("\n", 1)[0] not in _SOURCE_TABLES]
+  return _METADATA.sub("", "\n\n".join(blocks))
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:

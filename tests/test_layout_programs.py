@@ -7,6 +7,10 @@ the deviceless GPU programs (tests/test_compile.py) show the reduce-scatters.
 """
 
 import functools
+import hashlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +47,31 @@ def looped(cols, kind) -> int:
   projections see token rows: no mesh axis splits the sequence, models/layers.Einsum)."""
   return sum(c.count for c in cols if c.kind == kind and c.shape in ((B, L, D), (B * L, D))
              and c.count > 1)
+
+
+HLO_OF_THE_DEFAULT_BUILD = """
+import hashlib
+from sharding import MeshConfig, hlo
+from tests import parallel_harness as harness
+text = harness.compile_step(MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True)).as_text()
+print(hashlib.sha256(hlo.without_source_info(text).encode()).hexdigest())
+"""
+
+
+def test_the_suites_llvm_o0_compiles_the_default_builds_hlo():
+  """tests/conftest.py compiles at LLVM -O0 for speed; a fresh interpreter at XLA's default
+  level emits the same optimized HLO for a sharded step, so the facts proven on programs here
+  hold for the programs `meshtron` runs."""
+  assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  default = subprocess.run([sys.executable, "-c", HLO_OF_THE_DEFAULT_BUILD], env=env, cwd=repo,
+                           capture_output=True, text=True, timeout=600, check=True)
+  here = harness.compile_step(MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True))
+  text = hlo.without_source_info(here.as_text())
+  assert "ENTRY" in text and "FileNames" not in text and "source_line" not in text
+  assert hlo.collectives(text) == hlo.collectives(here.as_text())  # the program is all there
+  assert default.stdout.split()[-1] == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_model_is_big_enough_to_measure():

@@ -62,8 +62,8 @@ def assert_same_training(result, ref):
 # Gradient accumulation vmaps the loss over microbatch replicas (over `data` with data > 1):
 # the dropless executor's shard_map, sort and ragged_dot must survive that vmap too.
 LAYOUTS = {
-    "expert=8,dropless": (M(expert=8), MOE, {}),  # slow: the default suite has expert=2 and 4
-    "expert=4,fsdp=2,dropless": (M(expert=4, fsdp=2), MOE, {}),  # slow
+    "expert=8,dropless": (M(expert=8), MOE, {}),
+    "expert=4,fsdp=2,dropless": (M(expert=4, fsdp=2), MOE, {}),
     "expert=4,fsdp=2,dropping,ga=4,remat=selective": (M(expert=4, fsdp=2), DROPPING,
                                                       dict(microbatches=4, remat="selective")),
     "expert=2,tensor=2,data=2,dropless,ga=2,remat=full": (M(expert=2, tensor=2, data=2), MOE,
@@ -72,11 +72,7 @@ LAYOUTS = {
 }
 
 
-SLOW = {"expert=8,dropless", "expert=4,fsdp=2,dropless"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in LAYOUTS])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_layout_equals_one_device(name):
   mesh_cfg, moe, options = LAYOUTS[name]
   assert_same_training(harness.run(mesh_cfg, moe=moe, **options), reference(moe))
