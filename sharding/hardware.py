@@ -159,9 +159,8 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     # the table: only the head (or the tied table as head) is gathered and has its gradient
     # reduced, and neither is with the vocab split over fsdp (models/layers.Embed).
     table = m.vocab_size * m.embed_dim / lay.tp
-    by_rows = not (lay.zero == 3 and lay.dp > 1) and lookup_moves_rows(
-        fsdp=lay.fsdp, tensor=lay.tp, pipeline=lay.pp, vocab=m.vocab_size,
-        group_tokens=fsdp_group_tokens(lay, seq_len))
+    by_rows = lookup_moves_rows(fsdp=lay.fsdp, tensor=lay.tp, pipeline=lay.pp,
+                                vocab=m.vocab_size, group_tokens=fsdp_group_tokens(lay, seq_len))
     split = vocab_split(m, lay, seq_len)
     gathered = 0.0 if split else table if by_rows else counts.tables
     local = counts.tables if split else counts.tables - table if by_rows else 0.0
@@ -174,6 +173,17 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
                           (counts.total - local) * pr.grad_bytes / ops, lay.ga * ops, n_z3))
     if by_rows:
       out.append(Collective(("fsdp",), "all-to-all", "zero3", act, 2 * lay.ga, lay.fsdp))
+    if by_rows and not split and lay.zero == 3 and lay.dp > 1:
+      # ZeRO-3 stores the table's embed dim over data x fsdp and the lookup wants it over fsdp:
+      # its data shards are gathered, their gradients reduce-scattered, and two permutes reorder
+      # the shards between the two device orders (as compiled, e.g. data=2 x fsdp=4).
+      shard = table / lay.fsdp
+      out.append(Collective(("data",), "all-gather", "zero3", shard * pr.param_bytes, lay.ga,
+                            lay.dp))
+      out.append(Collective(("data",), "reduce-scatter", "zero3", shard * pr.grad_bytes, lay.ga,
+                            lay.dp))
+      out.append(Collective(("data", "fsdp"), "p2p", "zero3", shard / lay.dp * pr.param_bytes,
+                            2 * lay.ga, n_z3))
     if split:  # the group's hidden states and embedding rows, and their gradients
       group = act * lay.fsdp
       for kind in ("all-gather", "reduce-scatter"):

@@ -168,6 +168,11 @@ def test_communication_volumes_by_hand():
   # token rows, an all-to-all each way of b s h = 8 x 16 x 2 bytes.
   # (n-1)/n (2 x 9216 + 3360 + (15776 - 3200) + 2 x 256).
   assert wire(Layout(fsdp=4)) == pytest.approx(3 / 4 * (2 * 9216 + 3360 + psi - 3200 + 2 * 256))
+  # ZeRO-3 over data=2 x fsdp=4: the same over 8 devices, plus the table's data shards
+  # (100 x 16 / 4 x 2 bytes) gathered and reduce-scattered over data and two permutes of half a
+  # shard (as compiled: tests/test_layout_programs.py).
+  assert wire(Layout(dp=2, fsdp=4, zero=3)) == pytest.approx(
+      7 / 8 * (2 * 9216 + 3360 + psi - 3200) + 3 / 4 * 2 * 256 + 1 / 2 * 2 * 800 + 2 * 400)
   # The vocab split over fsdp: neither table is gathered or reduced; the group's hidden states
   # and embedding rows (4 x 8 tokens x 16 x 2 bytes) are gathered, and their gradients
   # reduce-scattered, once each way.

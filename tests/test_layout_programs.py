@@ -138,6 +138,23 @@ def test_fsdp_looks_up_embeddings_without_gathering_the_table():
   assert payload(rows, "all-to-all") == 2 * B * L * D * 4 // 8
 
 
+def test_zero3_over_data_gathers_the_tables_data_shards_for_the_lookup():
+  """ZeRO-3 over data=2 x fsdp=4 stores the table's embed dim over both axes; the lookup wants
+  it over fsdp. The program gathers the table's data shards [V, D/4] (and reduces their
+  gradient) over data, reorders shards with two collective-permutes of [V, D/8], and moves token
+  rows over fsdp: what sharding/hardware.collectives counts for this layout."""
+  _, cols = program(data=2, fsdp=4, zero_stage=3)
+  v = CFG.vocab_size
+  assert [c for c in cols if c.kind == "all-gather" and c.shape == (v, D // 4)
+          and c.group_size == 2]
+  assert [c for c in cols if c.kind == "all-reduce" and c.shape == (v, D // 4)
+          and c.group_size == 2]  # a reduce-scatter on GPU (module docstring)
+  assert sum(c.count for c in cols if c.kind == "collective-permute"
+             and c.shape == (v, D // 8)) == 2
+  assert [c for c in cols if c.kind == "all-to-all" and c.group_size == 4]
+  assert not [c for c in cols if c.shape == (v, D)]  # the table is never whole
+
+
 def test_vocab_over_fsdp_gathers_the_group_tokens_instead_of_the_head():
   """With the vocab split over fsdp the head [D, V] is not gathered; the group's hidden states
   are gathered instead (sharding.rules.split_vocab_over_fsdp). XLA then gathers the embedding
