@@ -49,11 +49,12 @@ def looped(cols, kind) -> int:
              and c.count > 1)
 
 
-HLO_OF_THE_DEFAULT_BUILD = """
+SP_MESH = dict(data=1, fsdp=4, tensor=2, sequence_parallel=True)
+HLO_OF_THE_DEFAULT_BUILD = f"""
 import hashlib
 from sharding import MeshConfig, hlo
 from tests import parallel_harness as harness
-text = harness.compile_step(MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True)).as_text()
+text = harness.compile_step(MeshConfig(**{SP_MESH!r})).as_text()
 print(hashlib.sha256(hlo.without_source_info(text).encode()).hexdigest())
 """
 
@@ -67,7 +68,7 @@ def test_the_suites_llvm_o0_compiles_the_default_builds_hlo():
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   default = subprocess.run([sys.executable, "-c", HLO_OF_THE_DEFAULT_BUILD], env=env, cwd=repo,
                            capture_output=True, text=True, timeout=600, check=True)
-  here = harness.compile_step(MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True))
+  here = harness.compile_step(MeshConfig(**SP_MESH))
   text = hlo.without_source_info(here.as_text())
   assert "ENTRY" in text and "FileNames" not in text and "source_line" not in text
   assert hlo.collectives(text) == hlo.collectives(here.as_text())  # the program is all there
