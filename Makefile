@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all clean
+.PHONY: train test test-all clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,3 +68,24 @@ bench: $(STAMP)
 	  --variants=dense,dropless,dropping > $(RESULTS)/moe_vs_dense.jsonl
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/overlap.py > $(RESULTS)/overlap.jsonl
 	$(BIN)/python benchmarks/report.py --results $(RESULTS) --readme README.md
+
+# On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
+# `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl
+# (benchmarks/gpu_check.py). PHASE = smoke, tests, kernels, train or all; each phase is one
+# command of at most ~8 minutes on one H100. Without a GPU it fails with one line and changes
+# nothing.
+GPU_PYTHON ?= python3
+PHASE ?= all
+GPU_OUT ?= benchmarks/results/gpu
+gpu-check:
+	MESHTRON_COMMIT=$${MESHTRON_COMMIT:-$$(git rev-parse HEAD 2>/dev/null)} \
+	  $(GPU_PYTHON) benchmarks/gpu_check.py --phase $(PHASE) --out_dir $(GPU_OUT) $(GPU_CHECK_ARGS)
+
+# Wheels for Python 3.12 that the GPU machine lacks (it reaches no registry), into .whl/ for
+# carrying there; the versions are pyproject.toml's pins (tests/test_gpu_check.py compares them).
+GPU_WHEELS := grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 ml-collections==1.1.0 \
+  tensorboardX==2.6.5 jax-triton==0.3.1 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

@@ -155,6 +155,17 @@ def render(results: str) -> str:
   return "\n".join(lines).rstrip() + "\n"
 
 
+def replace_section(readme_path: str, begin: str, end: str, text: str) -> None:
+  """Replaces the text between the `begin` and `end` marker lines of a Markdown file."""
+  readme = open(readme_path, encoding="utf-8").read()
+  if begin not in readme or end not in readme:
+    raise SystemExit(f"{readme_path} has no {begin} ... {end} markers to replace")
+  head, rest = readme.split(begin, 1)
+  tail = rest.split(end, 1)[1]
+  with open(readme_path, "w", encoding="utf-8") as f:
+    f.write(f"{head}{begin}\n{text}{end}{tail}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,13 +176,7 @@ def main() -> None:
   if not args.readme:
     print(text, end="")
     return
-  readme = open(args.readme, encoding="utf-8").read()
-  if BEGIN not in readme or END not in readme:
-    raise SystemExit(f"{args.readme} has no {BEGIN} ... {END} markers to replace")
-  head, rest = readme.split(BEGIN, 1)
-  tail = rest.split(END, 1)[1]
-  with open(args.readme, "w", encoding="utf-8") as f:
-    f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+  replace_section(args.readme, BEGIN, END, text)
   print(f"wrote the results section of {args.readme}")
 
 

@@ -1,15 +1,37 @@
-"""Test set-up: 8 fake CPU devices and a persistent compile cache, configured before JAX starts."""
+"""Test set-up, configured before JAX starts: 8 fake CPU devices and a persistent compile cache;
+or, with MESHTRON_GPU_TESTS set (benchmarks/gpu_check.py sets it), the `gpu`-marked tests alone.
 
+MESHTRON_GPU_TESTS:
+  unset       the CPU suite: JAX_PLATFORMS=cpu, 8 fake devices; `gpu` tests skip, saying why.
+  "gpu"       the `gpu` tests on the machine's GPU (JAX's CUDA plugin picks it); each asserts
+              that it really ran there. Other tests skip: they assume 8 fake CPU devices.
+  "rehearse"  the `gpu` tests' own code on one CPU device at small sizes, so a GPU session does
+              not spend its minutes on a typo; GPU-only parts (cuDNN, jax-triton) skip. Not a GPU
+              result: tests/test_gpu_check.py runs it in the CPU suite.
+"""
+
+import dataclasses
 import os
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-# LLVM -O0 for the CPU programs compiled in the test processes: XLA's optimized HLO (sharding,
-# collectives, buffer sizes) is the default build's (tests/test_layout_programs.py) and compiles
-# in ~40% less time; the machine code differs (floats by rounding, ~3e-6 after 3 AdamW steps, on
-# both sides of every in-process comparison). Tests that start `meshtron` drop XLA_FLAGS.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8"
-                           + " --xla_backend_optimization_level=0").strip()
+import pytest
+
+GPU_MODE = os.environ.get("MESHTRON_GPU_TESTS", "")
+if GPU_MODE not in ("", "gpu", "rehearse"):
+  raise pytest.UsageError(f"MESHTRON_GPU_TESTS={GPU_MODE!r}: expected 'gpu', 'rehearse' or unset")
+
+if GPU_MODE != "gpu":
+  os.environ["JAX_PLATFORMS"] = "cpu"
+else:  # GPU memory on demand: some gpu tests start processes of their own beside this one
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+if not GPU_MODE:
+  # LLVM -O0 for the CPU programs compiled in the test processes: XLA's optimized HLO (sharding,
+  # collectives, buffer sizes) is the default build's (tests/test_layout_programs.py) and
+  # compiles in ~40% less time; the machine code differs (floats by rounding, ~3e-6 after 3 AdamW
+  # steps, on both sides of every in-process comparison). Tests that start `meshtron` drop
+  # XLA_FLAGS. Never on a GPU: the flag would also build the GPU kernels unoptimized.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8"
+                             + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402  (must follow the environment set-up above)
 
@@ -17,3 +39,45 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: runs on an NVIDIA GPU (`make gpu-check`); skipped, with"
+                                     " the reason shown, everywhere else")
+
+
+def pytest_runtest_setup(item):
+  on_gpu_marker = item.get_closest_marker("gpu") is not None
+  if on_gpu_marker and not GPU_MODE:
+    pytest.skip("needs an NVIDIA GPU: `make gpu-check` runs it on a GPU machine (README, GPU"
+                " results)")
+  if GPU_MODE and not on_gpu_marker:
+    pytest.skip(f"MESHTRON_GPU_TESTS={GPU_MODE} runs only the gpu tests (this one assumes 8 fake"
+                " CPU devices)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuRun:
+  """Where a `gpu` test runs: the GPU, or (rehearsal) the CPU at small sizes."""
+
+  device: jax.Device
+  rehearsal: bool
+
+  def pick(self, on_gpu, in_rehearsal):
+    """The GPU-sized value, or the small one in a rehearsal."""
+    return in_rehearsal if self.rehearsal else on_gpu
+
+  def needs_gpu(self, what: str) -> None:
+    """Skips in a rehearsal: `what` exists only on an NVIDIA GPU."""
+    if self.rehearsal:
+      pytest.skip(f"rehearsal on the CPU: {what} runs only on an NVIDIA GPU")
+
+
+@pytest.fixture(scope="session")
+def gpu() -> GpuRun:
+  device = jax.devices()[0]
+  if GPU_MODE == "gpu":
+    assert device.platform == "gpu", (
+        f"MESHTRON_GPU_TESTS=gpu but JAX's first device is {device.platform} ({device}): the"
+        " CUDA plugin found no GPU")
+  return GpuRun(device=device, rehearsal=GPU_MODE == "rehearse")

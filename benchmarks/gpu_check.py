@@ -1,0 +1,301 @@
+"""`make gpu-check`: proves the GPU path on a machine with NVIDIA GPUs and JAX's CUDA plugin
+already installed. Writes one JSON line per result to <out_dir>/<phase>.jsonl (default
+benchmarks/results/gpu/), each with the GPU, driver, jax/jaxlib versions, the commit
+(MESHTRON_COMMIT, since the copy on a GPU machine may have no .git) and the date. Lines are
+written as they are measured, so a phase cut short still keeps what it measured.
+
+Phases, each one command of at most ~8 minutes on one H100 (`all` runs them in order):
+  smoke    imports and versions, one flash-attention call, one tiny train step (~2 min): catches
+           drift of the machine's jax before anything heavy
+  tests    `pytest -m gpu` (tests/test_gpu_*.py): one line per test with its measured errors;
+           fails if any test failed, was skipped, or none ran
+  kernels  matmul peak and copy bandwidth, attention kernels (pallas_flash, cuDNN, xla; seq 2k-16k),
+           the jax-triton RMSNorm against XLA's fusion (benchmarks/gpu_kernels.py)
+  train    the train step of Llama-3-8B's dimensions, 8 layers, seq 4096: attention cudnn and
+           pallas_flash x remat none/selective/full, one process each (benchmarks/gpu_train.py)
+
+Before anything is installed or run it checks that there is a GPU (one line and exit 2 if not).
+Then it installs meshtron without touching the installed jax (`pip install --no-deps -e .`) and
+the wheels carried in .whl/ (`make gpu-wheels` downloads them): by default only those whose
+package is missing on the machine; `--wheels=pinned` installs all of them (our pinned flax,
+optax and orbax over the machine's, for when those break).
+
+Usage:
+  make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn']
+  python benchmarks/gpu_check.py --phase {smoke,tests,kernels,train,all} [--out_dir DIR]
+      [--budget_s 400] [--attention cudnn,pallas_flash] [--remat none,selective,full]
+      [--wheels missing|pinned|none] [--rehearse]
+`--rehearse` runs the phases on the CPU at tiny sizes: the script's own code path, for the CPU
+suite (tests/test_gpu_check.py), never a GPU result.
+"""
+
+import argparse
+import datetime
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("smoke", "tests", "kernels", "train")
+SITE = "/tmp/meshtron-gpu-site"  # where carried wheels are installed (--target), first on the path
+# The train step may use nearly the whole GPU (JAX's default leaves it 75%).
+MEMORY_FRACTION = "0.94"
+# Micro-batches the train phase tries per remat policy, largest first (the first that compiles to
+# fit is measured). From deviceless H100 compiles of the 8-layer model at seq 4096: peak 61.5 GiB
+# at batch 2 without remat (batch 4 cannot fit), 54.7 GiB at batch 4 selective, 45.0 GiB at batch
+# 4 full; 0.94 of an 80 GB H100 is about 74.8 GiB.
+BATCHES = {"none": "2,1", "selective": "8,4,2,1", "full": "8,4,2,1"}
+
+
+def fail(message: str) -> None:
+  print(f"gpu-check: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def gpu_names() -> list[str]:
+  """The NVIDIA GPUs nvidia-smi lists ("name, driver, memory" each); [] when there are none."""
+  if not shutil.which("nvidia-smi"):
+    return []
+  proc = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                         "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+  return [line.strip() for line in proc.stdout.splitlines() if line.strip()] \
+      if proc.returncode == 0 else []
+
+
+def install(wheels: str) -> list[str]:
+  """meshtron (editable, no dependencies) and the carried wheels; returns what was installed."""
+  done = []
+  spec = importlib.util.find_spec("trainer")
+  if spec is None or not (spec.origin or "").startswith(REPO):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "-e", REPO], check=True)
+    done.append("meshtron (editable)")
+  files = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
+  if wheels != "none" and files:
+    def missing(path):
+      name = os.path.basename(path).split("-")[0]
+      try:
+        importlib.metadata.version(name)
+        return False
+      except importlib.metadata.PackageNotFoundError:
+        return True
+    chosen = files if wheels == "pinned" else [f for f in files if missing(f)]
+    if chosen:
+      subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                      "--no-compile", "--upgrade", "--target", SITE, *chosen], check=True)
+      done += [os.path.basename(f) for f in chosen]
+  if REPO not in sys.path:  # this process: the editable install's path hook loads at start-up
+    sys.path.insert(0, REPO)
+  if os.path.isdir(SITE):
+    sys.path.insert(0, SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))
+  return done
+
+
+def jax_platform() -> str:
+  """The platform of JAX's first device, asked in a child process: this process must not hold
+  GPU memory while the tests and train phases run theirs (JAX preallocates 75% of it)."""
+  proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+  return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() \
+      else f"none ({proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else '?'})"
+
+
+def machine_facts(rehearse: bool) -> dict:
+  """What every result line carries: the GPU, driver, versions, commit and date (importing jax
+  starts no backend)."""
+  import jax
+  import jaxlib
+  gpus = gpu_names()
+  name, driver, memory = (gpus[0].split(", ") + ["", "", ""])[:3] if gpus else ("cpu", "", "")
+  plugins = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
+             if d.metadata["Name"] and d.metadata["Name"].startswith("jax-cuda")}
+  commit = os.environ.get("MESHTRON_COMMIT", "")
+  if not commit and os.path.isdir(os.path.join(REPO, ".git")):
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+  return {"gpu": name, "gpu_count": len(gpus), "gpu_memory": memory, "driver": driver,
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "cuda_plugin": plugins,
+          "python": platform.python_version(), "commit": commit or "unknown",
+          "rehearsal": rehearse,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+class Results:
+  """One phase's JSON-lines file, written line by line (and echoed to stdout)."""
+
+  def __init__(self, out_dir: str, phase: str, facts: dict):
+    os.makedirs(out_dir, exist_ok=True)
+    self.path = os.path.join(out_dir, f"{phase}.jsonl")
+    self.phase, self.facts = phase, facts
+    self._file = open(self.path, "w", encoding="utf-8")
+
+  def emit(self, **fields) -> None:
+    line = json.dumps({"phase": self.phase, **fields, **self.facts})
+    self._file.write(line + "\n")
+    self._file.flush()
+    print(line, flush=True)
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -> bool:
+  """`pytest -m gpu` in a child process; one line per test from its JUnit report."""
+  junit = os.path.join(out_dir, "junit.xml")
+  # Memory on demand: the tests start processes of their own (the CLI) beside this one.
+  env = dict(os.environ, MESHTRON_GPU_TESTS="rehearse" if rehearse else "gpu",
+             XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  # The gpu tests live in tests/test_gpu_*.py (tests/test_gpu_check.py checks that): collecting
+  # only those keeps the CPU suite's imports (notebooks, MaxText peers) off the GPU machine.
+  files = sorted(os.path.relpath(p, REPO)
+                 for p in glob.glob(os.path.join(REPO, "tests", "test_gpu_*.py")))
+  command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", *files]
+  try:
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=max(60.0, deadline - time.monotonic()))
+    tail = (proc.stdout + proc.stderr)[-4000:]
+  except subprocess.TimeoutExpired as e:
+    tail = f"pytest ran past the phase's time budget\n{str(e.stdout or '')[-3000:]}"
+  print(tail, flush=True)
+  counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+  for case in (ElementTree.parse(junit).getroot().iter("testcase")
+               if os.path.exists(junit) else []):
+    outcome, message = "passed", ""
+    for kind in ("failure", "error", "skipped"):
+      node = case.find(kind)
+      if node is not None:
+        outcome = {"failure": "failed"}.get(kind, kind)
+        message = (node.get("message") or node.text or "").strip().splitlines()[:1]
+        message = message[0][:500] if message else ""
+    counts[outcome] += 1
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    results.emit(test=f"{case.get('classname')}::{case.get('name')}", outcome=outcome,
+                 seconds=float(case.get("time") or 0), message=message, properties=properties)
+  # A rehearsal skips what exists only on a GPU; on a GPU nothing may skip.
+  allowed_skips = counts["skipped"] if rehearse else 0
+  ok = (counts["passed"] > 0 and counts["failed"] == counts["error"] == 0
+        and counts["skipped"] <= allowed_skips)
+  results.emit(summary="pytest -m gpu", ok=ok, **counts, output_tail=tail[-1500:])
+  return ok
+
+
+def run_train(results: Results, args, deadline: float) -> bool:
+  """benchmarks/gpu_train.py once per (attention, remat), each in its own process."""
+  peak = 0.0
+  # The bf16 peak the kernels phase measured on this GPU: in this run's output, or in the
+  # committed results (a phase run by itself on a fresh machine).
+  for kernels in (os.path.join(args.out_dir, "kernels.jsonl"),
+                  os.path.join(REPO, "benchmarks", "results", "gpu", "kernels.jsonl")):
+    rows = [json.loads(line) for line in open(kernels, encoding="utf-8") if line.strip()] \
+        if os.path.exists(kernels) else []
+    peak = max((r["tflops"] for r in rows if r.get("benchmark") == "matmul_peak"
+                and r.get("dtype") == "bfloat16" and r.get("rehearsal") == args.rehearse),
+               default=0.0)
+    if peak:
+      break
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEMORY_FRACTION)
+  ok = True
+  for attention in args.attention.split(","):
+    for remat in args.remat.split(","):
+      fields = dict(benchmark="train_step", attention=attention, remat=remat)
+      if time.monotonic() > deadline:
+        results.emit(**fields, status="skipped", reason="the phase's time budget is spent")
+        continue
+      command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_train.py"),
+                 f"--attention={attention}", f"--remat={remat}", f"--peak_tflops={peak}",
+                 f"--batches={BATCHES.get(remat, '2,1')}"]
+      if args.rehearse:
+        command += ["--rehearse", "--seq=64", "--layers=2", "--batches=2", "--steps=2",
+                    "--warmup=1"]
+      try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+      except subprocess.TimeoutExpired:
+        results.emit(**fields, status="timeout")
+        ok = False
+        continue
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+      if proc.returncode or not lines:
+        results.emit(**fields, status="error", error=proc.stderr[-2000:])
+        ok = False
+        continue
+      row = json.loads(lines[-1])
+      results.emit(**row)
+      ok = ok and row.get("status") == "ok" and (args.rehearse or row.get("platform") == "gpu")
+  return ok
+
+
+def run_phase(phase: str, args, facts: dict) -> bool:
+  results = Results(args.out_dir, phase, facts)
+  deadline = time.monotonic() + args.budget_s
+  try:
+    if phase == "smoke":
+      import gpu_kernels
+      return gpu_kernels.smoke(results.emit, args.rehearse)
+    if phase == "tests":
+      return run_tests(results, args.out_dir, args.rehearse, deadline)
+    if phase == "kernels":
+      import gpu_kernels
+      gpu_kernels.peak(results.emit, args.rehearse)
+      gpu_kernels.attention(results.emit, args.rehearse, deadline)
+      gpu_kernels.rmsnorm(results.emit, args.rehearse)
+      return True
+    return run_train(results, args, deadline)
+  finally:
+    results.close()
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--phase", default="all", choices=(*PHASES, "all"))
+  parser.add_argument("--out_dir", default=os.path.join(REPO, "benchmarks", "results", "gpu"))
+  parser.add_argument("--budget_s", type=float, default=400.0,
+                      help="per phase: no new measurement starts after this many seconds")
+  parser.add_argument("--attention", default="cudnn,pallas_flash")
+  parser.add_argument("--remat", default="none,selective,full")
+  parser.add_argument("--wheels", default="missing", choices=("missing", "pinned", "none"))
+  parser.add_argument("--rehearse", action="store_true")
+  args = parser.parse_args(argv)
+  if args.rehearse:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    # cuDNN runs only on GPUs: rehearse the same jax.nn call with its XLA implementation.
+    args.attention = args.attention.replace("cudnn", "dot_product")
+  else:
+    if not gpu_names():
+      fail("no NVIDIA GPU on this machine (nvidia-smi finds none); run it on a GPU machine, see"
+           " README 'GPU results'")
+    installed = install(args.wheels)
+    if installed:
+      print(f"gpu-check: installed {', '.join(installed)}", flush=True)
+  if not args.rehearse and (platform_name := jax_platform()) != "gpu":
+    fail(f"nvidia-smi sees {gpu_names()[0]} but JAX's first device is {platform_name}: JAX's"
+         " CUDA plugin is missing or cannot load; install jax[cuda] there")
+  if args.phase == "all":  # each phase in a fresh process: its own GPU memory, nothing held over
+    common = [f"--out_dir={args.out_dir}", f"--budget_s={args.budget_s}",
+              f"--attention={args.attention}", f"--remat={args.remat}", "--wheels=none",
+              *(["--rehearse"] if args.rehearse else [])]
+    failed = [phase for phase in PHASES if subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f"--phase={phase}", *common]).returncode]
+  else:
+    facts = machine_facts(args.rehearse)
+    failed = [] if run_phase(args.phase, args, facts) else [args.phase]
+  if failed:
+    print(f"gpu-check: {', '.join(failed)} failed; see {args.out_dir}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,177 @@
+"""Writes the README's "GPU results" section from benchmarks/results/gpu/ (what `make gpu-check`
+wrote on a GPU machine and a session committed): the device, versions and date; the gpu tests
+with their measured errors; the measured peak; the attention kernels; the train step with its
+MFU and memory; the targets of the GPU issue, met or not.
+
+Rehearsal lines (gpu_check.py --rehearse: the CPU) are never reported as GPU results.
+
+  python benchmarks/gpu_report.py [--results benchmarks/results/gpu] [--readme README.md]
+"""
+
+import argparse
+import collections
+import os
+
+from report import replace_section, rows
+
+BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
+PHASES = ("smoke", "tests", "kernels", "train")
+NO_RUN = ("No GPU run yet: no session so far had a GPU machine at hand. `make gpu-check` on one"
+          " writes benchmarks/results/gpu/ and this section (README, GPU checks).")
+
+
+def gpu_rows(results: str) -> dict[str, list[dict]]:
+  """Each phase's lines, without rehearsal lines."""
+  return {phase: [r for r in rows(results, f"{phase}.jsonl") if not r.get("rehearsal")]
+          for phase in PHASES}
+
+
+def header(phases: dict[str, list[dict]]) -> list[str]:
+  out = []
+  for phase, lines in phases.items():
+    if lines:
+      r = lines[0]
+      plugin = ", ".join(f"{k} {v}" for k, v in sorted(r.get("cuda_plugin", {}).items()))
+      out.append(f"- `{phase}`: {r['gpu']} ({r.get('gpu_memory') or '?'}), driver"
+                 f" {r.get('driver') or '?'}, jax {r['jax']} / jaxlib {r['jaxlib']}"
+                 f"{f' ({plugin})' if plugin else ''}, Python {r['python']}, commit"
+                 f" `{r['commit'][:10]}`, {r['date']}.")
+  return out + [""] if out else []
+
+
+def tests_section(lines: list[dict]) -> list[str]:
+  tests = [r for r in lines if "test" in r]
+  summary = next((r for r in lines if "summary" in r), None)
+  if not tests:
+    return []
+  out = ["| gpu test | outcome | s | measured |", "| --- | --- | --- | --- |"]
+  for r in tests:
+    measured = ", ".join(f"{k} {_short(v)}" for k, v in r.get("properties", {}).items()
+                         if k.startswith(("rel_error", "max_", "f8_", "cublaslt")))
+    detail = measured or (r["message"][:120] if r["outcome"] != "passed" else "")
+    out.append(f"| `{r['test'].split('::')[-1]}` | {r['outcome']} | {r['seconds']:.1f} |"
+               f" {detail} |")
+  if summary:
+    out += ["", f"pytest -m gpu: {summary['passed']} passed, {summary['failed']} failed,"
+                f" {summary['error']} errors, {summary['skipped']} skipped."]
+  return out + [""]
+
+
+def _short(value) -> str:
+  try:
+    return f"{float(value):.2g}"
+  except (TypeError, ValueError):
+    return str(value)[:40]
+
+
+def peak_line(lines: list[dict]) -> list[str]:
+  best = {}
+  for r in lines:
+    if r.get("benchmark") == "matmul_peak":
+      key = f"{r['dtype']} ({r['precision']})"
+      best[key] = max(best.get(key, 0.0), r["tflops"])
+    elif r.get("benchmark") == "copy_bandwidth":
+      best["copy"] = r["tbytes_per_s"]
+  if not best:
+    return []
+  matmuls = ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in best.items() if k != "copy")
+  return [f"Measured peak (8192³ matmuls of random data; a 4 GiB in-place copy): {matmuls};"
+          f" copy {best.get('copy', 0):.2f} TB/s (read + write).", ""]
+
+
+def attention_section(lines: list[dict]) -> list[str]:
+  runs = [r for r in lines if r.get("benchmark") == "attention"]
+  if not runs:
+    return []
+  cell = collections.defaultdict(dict)
+  for r in runs:
+    value = f"{r['ms']:.2f} ms, {r['tflops']:.0f} TF/s" if r.get("status") == "ok" \
+        else r.get("status", "?")
+    cell[(r["seq"], r["pass"])][r["impl"]] = (value, r.get("ms"))
+  impls = sorted({r["impl"] for r in runs})
+  out = [f"Attention, causal bf16, batch 1, {runs[0]['heads']} heads / {runs[0]['kv_heads']} kv"
+         f" heads of {runs[0]['head_dim']} (forward 2·B·H·L²·d FLOPs; forward+backward 3.5×):",
+         "",
+         "| seq | pass | " + " | ".join(impls) + " | pallas_flash / cudnn |",
+         "| --- | --- | " + " | ".join("---" for _ in impls) + " | --- |"]
+  for (seq, name), by_impl in sorted(cell.items()):
+    flash, cudnn = by_impl.get("pallas_flash", (0, None))[1], by_impl.get("cudnn", (0, None))[1]
+    ratio = f"{flash / cudnn:.2f}×" if flash and cudnn else "–"
+    out.append(f"| {seq} | {name} | " + " | ".join(by_impl.get(i, ("–",))[0] for i in impls)
+               + f" | {ratio} |")
+  at_8k = cell.get((8192, "forward+backward"), {})
+  flash_8k, cudnn_8k = (at_8k.get(impl, (0, None))[1] for impl in ("pallas_flash", "cudnn"))
+  if flash_8k and cudnn_8k:
+    ratio = flash_8k / cudnn_8k
+    out += ["", f"- pallas_flash forward+backward at seq 8k: **{ratio:.2f}×** cuDNN's time"
+                f" (target ≤ 1.3×: {'met' if ratio <= 1.3 else 'not met'})."]
+  norms = {r["impl"]: r for r in lines if r.get("benchmark") == "rmsnorm_residual"
+           and r.get("status") == "ok"}
+  if "xla_fusion" in norms and "jax_triton" in norms:
+    x, t = norms["xla_fusion"], norms["jax_triton"]
+    out.append(f"- Residual add + RMSNorm, {x['rows']}×{x['dim']} bf16: jax-triton {t['ms']:.3f}"
+               f" ms ({t['tbytes_per_s']:.2f} TB/s) vs XLA's fusion {x['ms']:.3f} ms"
+               f" ({x['tbytes_per_s']:.2f} TB/s).")
+  return out + [""]
+
+
+def train_section(lines: list[dict]) -> list[str]:
+  runs = [r for r in lines if r.get("benchmark") == "train_step"]
+  if not runs:
+    return []
+  out = ["Train step, Llama-3-8B dimensions truncated to 8 layers (2.8B parameters with the"
+         " 128k vocabulary), seq 4096, bf16 compute, fp32 AdamW state, one GPU:", "",
+         "| attention | remat | batch | tokens/s | MFU (data sheet) | MFU (measured peak) |"
+         " step s | compiled peak GiB | measured peak GiB |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  ok = [r for r in runs if r.get("status") == "ok"]
+  for r in runs:
+    if r.get("status") != "ok":
+      out.append(f"| {r['attention']} | {r['remat']} | {r.get('status')} | | | | | | |")
+      continue
+    out.append(f"| {r['attention']} | {r['remat']} | {r['batch']} | {r['tokens_per_s']:.0f} |"
+               f" {_pct(r['mfu_vs_spec'])} | {_pct(r['mfu_vs_measured_peak'])} |"
+               f" {r['step_s']:.3f} | {r['compiled_peak_gib']:.1f} |"
+               f" {r['measured_peak_gib']:.1f} |")
+  if ok:
+    best = max(ok, key=lambda r: r["mfu_vs_spec"] or 0)
+    worst_memory = max(ok, key=lambda r: abs((r["measured_over_compiled"] or 0) - 1))
+    out += ["", f"- Best MFU {_pct(best['mfu_vs_spec'])} of the data sheet"
+                f" ({best['attention']}, remat {best['remat']}; target ≥ 55%:"
+                f" {'met' if (best['mfu_vs_spec'] or 0) >= 0.55 else 'not met'}).",
+            f"- Measured peak memory / compiled memory analysis: worst"
+            f" {worst_memory['measured_over_compiled']:.2f} (target within 10%:"
+            f" {'met' if abs(worst_memory['measured_over_compiled'] - 1) <= 0.1 else 'not met'})."]
+  return out + [""]
+
+
+def _pct(value) -> str:
+  return "–" if value is None else f"{value:.1%}"
+
+
+def render(results: str) -> str:
+  phases = gpu_rows(results)
+  if not any(phases.values()):
+    return NO_RUN + "\n"
+  lines = (header(phases) + tests_section(phases["tests"]) + peak_line(phases["kernels"])
+           + attention_section(phases["kernels"]) + train_section(phases["train"]))
+  return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results",
+                                                        "gpu"))
+  parser.add_argument("--readme", default="")
+  args = parser.parse_args()
+  text = render(args.results)
+  if not args.readme:
+    print(text, end="")
+    return
+  replace_section(args.readme, BEGIN, END, text)
+  print(f"wrote the GPU results section of {args.readme}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,103 @@
+"""The train step of Llama-3-8B's dimensions, truncated to fit one GPU, measured on that GPU;
+prints one JSON line. `make gpu-check` (benchmarks/gpu_check.py) runs one process per
+configuration, so each line's measured peak memory is that configuration's alone.
+
+The model: Llama-3-8B (D 4096, 32 heads / 8 kv heads of 128, F 14336, the 128,256-token
+vocabulary, RoPE as Llama 3.1) with `--layers` layers (default 8), bf16 compute, float32 master
+weights and AdamW state, synthetic tokens. The micro-batch is the largest of `--batches` whose
+compiled program fits the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, set by gpu_check.py).
+
+FLOPs (the MFU numerator): `ModelConfig.flops_per_token`, 6 x the matmul parameters (head
+included, embedding lookup not) + 6 x layers x heads x head dim x seq for causal attention (half
+of the unmasked 12 x ...). MFU is reported against the GPU's bf16 data-sheet figure (H100 SXM:
+989 TFLOP/s, as the published anchors count it) and against the bf16 matmul peak measured on
+this GPU.
+
+Usage: python benchmarks/gpu_train.py --attention=cudnn --remat=none [--batches=4,2,1]
+         [--seq=4096] [--layers=8] [--steps=10] [--warmup=3] [--peak_tflops=N] [--rehearse]
+"""
+
+import argparse
+import dataclasses
+import json
+
+import train_step  # benchmarks/train_step.py, beside this script
+
+
+def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool):
+  from configs import llama
+  from trainer.config import DataConfig
+  cfg = llama.debug()
+  model = llama.model("llama3_8b")
+  if rehearse:  # the same model family at a size the CPU compiles and runs in seconds
+    model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
+                                num_kv_heads=2, head_dim=32, mlp_dim=256)
+  cfg.model = dataclasses.replace(model, num_layers=layers, attention_impl=attention,
+                                  remat=remat)
+  cfg.batch_size, cfg.seq_len, cfg.sample_tokens = batch, seq, 0
+  cfg.data = DataConfig(source="synthetic")
+  cfg.compilation_cache_dir = ""  # compile time is part of the measurement
+  return cfg
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--attention", default="cudnn")
+  parser.add_argument("--remat", default="none")
+  parser.add_argument("--batches", default="4,2,1", help="micro-batches to try, largest first")
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--peak_tflops", type=float, default=0.0,
+                      help="the measured bf16 matmul peak (0: report the data-sheet MFU only)")
+  parser.add_argument("--rehearse", action="store_true", help="CPU, a tiny model: the code path")
+  args = parser.parse_args(argv)
+  import jax
+  from trainer.metrics import KNOWN_PEAK_FLOPS
+  device = jax.devices()[0]
+  # The data-sheet dense bf16 peak of this GPU (H100 SXM: 989 TFLOP/s); none on a CPU.
+  spec = next((f for name, f in KNOWN_PEAK_FLOPS.items() if name in device.device_kind), 0.0)
+  fields = dict(benchmark="train_step", model="llama3_8b_dims", layers=args.layers,
+                attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16")
+  tried = []
+  for batch in map(int, args.batches.split(",")):
+    cfg = make_config(args.attention, args.remat, batch, args.seq, args.layers, args.rehearse)
+    try:
+      result = train_step.measure(cfg, [device], steps=args.steps, warmup=args.warmup,
+                                  peak_flops=args.peak_tflops * 1e12)
+    except ValueError as e:  # the compiled program does not fit: try the next micro-batch
+      if "GiB per device" not in str(e):
+        raise
+      tried.append({"batch": batch, "error": str(e).splitlines()[0]})
+      continue
+    break
+  else:
+    print(json.dumps({**fields, "status": "oom", "tried": tried}), flush=True)
+    return
+  stats = device.memory_stats() or {}
+  tokens_per_s = result["tokens_per_s"]
+  flops_per_token = cfg.model.flops_per_token(cfg.seq_len)
+  compiled_peak = result["memory_gib_per_device"]["peak"]
+  measured_peak = stats.get("peak_bytes_in_use", 0) / 2**30
+  print(json.dumps({
+      **fields, "status": "ok", "batch": cfg.batch_size, "tried_larger": tried,
+      "params_b": round(cfg.model.num_params() / 1e9, 3),
+      "flops_per_token": flops_per_token,
+      "flops_counted": "6N (matmul params incl. head) + 6 x layers x heads x head_dim x seq",
+      "tokens_per_s": tokens_per_s, "step_s": result["step_s"],
+      "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
+      "spec_tflops": spec / 1e12 or None,
+      "mfu_vs_spec": round(flops_per_token * tokens_per_s / spec, 4) if spec else None,
+      "mfu_vs_measured_peak": result["mfu"], "measured_peak_tflops": args.peak_tflops or None,
+      "xla_flops_per_step": result["xla_flops_per_device"],
+      "compile_s": result["compile_s"], "loss": result["loss"],
+      "compiled_peak_gib": compiled_peak, "measured_peak_gib": round(measured_peak, 3),
+      "measured_over_compiled": round(measured_peak / compiled_peak, 3) if compiled_peak else None,
+      "memory_limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2),
+      "device": device.device_kind, "platform": device.platform}), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,135 @@
+"""`make gpu-check` without a GPU: one clear line, nothing changed; its whole code path rehearsed on
+the CPU (every phase, the gpu tests included), so a GPU session spends its minutes measuring; the
+README section it feeds; the wheels it carries."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import gpu_report  # noqa: E402  (benchmarks/gpu_report.py)
+
+FACTS = ("gpu", "driver", "jax", "jaxlib", "python", "commit", "date", "rehearsal")
+# What exists only on an NVIDIA GPU: a rehearsal skips exactly these gpu tests.
+GPU_ONLY = {"test_cudnn_attention_equals_the_reference[False]",
+            "test_cudnn_attention_equals_the_reference[True]",
+            "test_jax_triton_rmsnorm_equals_the_reference[float32]",
+            "test_jax_triton_rmsnorm_equals_the_reference[bfloat16]"}
+
+
+def cpu_env(**extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHTRON_GPU_TESTS")}
+  return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def test_without_a_gpu_it_fails_with_one_line_and_changes_nothing(tmp_path):
+  assert shutil.which("nvidia-smi") is None, "this test expects a machine without NVIDIA GPUs"
+  out = tmp_path / "results"
+  proc = subprocess.run(["make", "--no-print-directory", "gpu-check",
+                         f"GPU_PYTHON={sys.executable}", f"GPU_OUT={out}"],
+                        cwd=REPO, capture_output=True, text=True,
+                        env=cpu_env(), timeout=120)
+  assert proc.returncode != 0
+  ours = [line for line in proc.stderr.splitlines() if not line.startswith("make:")]
+  assert ours == ["gpu-check: no NVIDIA GPU on this machine (nvidia-smi finds none); run it on a"
+                  " GPU machine, see README 'GPU results'"], proc.stderr
+  assert not out.exists()  # checked before installing or writing anything
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+  """Every phase on the CPU at tiny sizes (~1 min): one output directory."""
+  out = tmp_path_factory.mktemp("gpu_rehearsal")
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"),
+                         "--rehearse", "--phase=all", f"--out_dir={out}", "--remat=none,full"],
+                        cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
+  assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+  return out
+
+
+def lines(directory, phase) -> list[dict]:
+  return [json.loads(l) for l in (directory / f"{phase}.jsonl").read_text().splitlines()]
+
+
+def test_every_phase_rehearses_on_the_cpu(rehearsal):
+  for phase in ("smoke", "tests", "kernels", "train"):
+    rows = lines(rehearsal, phase)
+    assert rows, phase
+    for row in rows:  # every line says where, with what and when it was measured
+      assert all(key in row for key in FACTS) and row["rehearsal"] is True, row
+  smoke = {r["check"]: r for r in lines(rehearsal, "smoke")}
+  assert set(smoke) == {"imports", "flash_attention", "train_step"}
+  assert all(r["status"] == "ok" for r in smoke.values()), smoke
+  assert smoke["imports"]["versions"]["flax"] and smoke["train_step"]["platform"] == "cpu"
+  kernels = lines(rehearsal, "kernels")
+  assert {r["benchmark"] for r in kernels} == {"matmul_peak", "copy_bandwidth", "attention",
+                                               "rmsnorm_residual"}
+  assert all(r["status"] == "ok" for r in kernels if "status" in r), kernels
+  train = lines(rehearsal, "train")
+  # cuDNN cannot run on a CPU: a rehearsal swaps in the same call's XLA implementation.
+  assert {(r["attention"], r["remat"]) for r in train} == {
+      (a, m) for a in ("dot_product", "pallas_flash") for m in ("none", "full")}
+  for row in train:
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0 and row["compiled_peak_gib"] > 0
+
+
+def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsal):
+  rows = lines(rehearsal, "tests")
+  tests = {r["test"].split("::")[-1]: r for r in rows if "test" in r}
+  assert {name for name, r in tests.items() if r["outcome"] == "skipped"} == GPU_ONLY
+  assert all(tests[name]["message"].startswith("rehearsal on the CPU") for name in GPU_ONLY)
+  assert all(r["outcome"] == "passed" for name, r in tests.items() if name not in GPU_ONLY)
+  assert len(tests) == 14
+  assert all(r["properties"]["seed"] for r in rows if "test_gpu_kernels" in r.get("test", ""))
+  summary = next(r for r in rows if "summary" in r)
+  assert summary["ok"] and summary["passed"] == 10 and summary["skipped"] == 4
+
+
+def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path):
+  assert gpu_report.render(str(rehearsal)) == gpu_report.NO_RUN + "\n"
+  # The same lines marked as a GPU run: the formatting path of a real run's section.
+  for phase in ("smoke", "tests", "kernels", "train"):
+    relabeled = [dict(r, rehearsal=False) for r in lines(rehearsal, phase)]
+    (tmp_path / f"{phase}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in relabeled))
+  text = gpu_report.render(str(tmp_path))
+  assert "jax 0.10.2" in text and "| gpu test | outcome |" in text
+  assert "| attention | remat | batch | tokens/s |" in text
+  assert re.search(r"\| pallas_flash \| none \| 2 \| \d+ \|", text), text
+
+
+def test_the_readme_has_the_gpu_section_markers():
+  readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+  assert readme.count(gpu_report.BEGIN) == 1 and readme.count(gpu_report.END) == 1
+
+
+def test_gpu_tests_live_in_the_files_gpu_check_collects():
+  """gpu_check.py collects tests/test_gpu_*.py only (the CPU suite's other imports stay off the
+  GPU machine), so a `gpu` marker anywhere else would never run."""
+  for name in os.listdir(os.path.join(REPO, "tests")):
+    if name.endswith(".py") and not name.startswith("test_gpu_") and name != "conftest.py":
+      text = open(os.path.join(REPO, "tests", name), encoding="utf-8").read()
+      assert "mark.gpu" not in text, name
+
+
+def test_carried_wheels_are_the_pinned_versions():
+  makefile = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
+  block = re.search(r"^GPU_WHEELS := (.*?)\n(?=\S|\n)", makefile, re.M | re.S).group(1)
+  carried = dict(item.split("==") for item in block.replace("\\", " ").split())
+  pins = {}
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  for spec in project["dependencies"] + project["optional-dependencies"]["gpu"]:
+    name, _, version = spec.split("#")[0].strip().partition("==")
+    pins[name.split("[")[0].lower()] = version
+  for name, version in carried.items():
+    if name.lower() in pins:
+      assert pins[name.lower()] == version, name
+  assert {"grain", "ml-collections", "tensorboardX", "jax-triton", "flax"} <= set(carried)

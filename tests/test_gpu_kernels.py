@@ -1,0 +1,195 @@
+"""On an NVIDIA GPU (`make gpu-check`): the Pallas flash kernel (its Triton lowering) and cuDNN
+attention against the reference, forward and backward; the jax-triton RMSNorm; MoE dropless
+(`ragged_dot`) against the dense reference. tests/conftest.py says how these run elsewhere.
+
+Inputs are fresh random numbers every run (the seed is recorded in the JUnit report). Errors are
+relative L2 norms ||got - want|| / ||want|| per tensor against a float32 reference computed at
+`highest` matmul precision on the same (rounded) inputs. Tolerances, fixed before any GPU run:
+  * bf16 inputs: 2e-2, as on CPU (tests/test_flash_attention.py; P is rounded to bf16 before P V);
+  * fp32 inputs: 2e-3. The GPU's fp32 dots default to TF32 (10-bit mantissa), in the Triton kernel
+    as in XLA's own fp32 matmuls; one TF32 product is off by ~3e-4, and attention chains three.
+"""
+
+import dataclasses
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kernels import flash_attention, reference
+from models import ModelConfig
+from models.config import MoEConfig
+from models.moe import MoE
+
+pytestmark = pytest.mark.gpu
+
+SEED = int.from_bytes(os.urandom(4), "little")
+TOLERANCE = {"float32": 2e-3, "bfloat16": 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _record_seed(record_property):
+  record_property("seed", SEED)
+
+
+def rel_error(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.isfinite(got).all(), "non-finite values"
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def attention_inputs(key, batch, length, heads, kv_heads, head_dim, dtype, packed):
+  """q, k, v, segment ids (1-4 documents per row, boundaries anywhere) and an output cotangent."""
+  kq, kk, kv, ks, kc = jax.random.split(key, 5)
+  q = jax.random.normal(kq, (batch, length, heads, head_dim), dtype)
+  k = jax.random.normal(kk, (batch, length, kv_heads, head_dim), dtype)
+  v = jax.random.normal(kv, (batch, length, kv_heads, head_dim), dtype)
+  segments = None
+  if packed:
+    cuts = jnp.sort(jax.random.randint(ks, (batch, 3), 1, length), axis=1)
+    segments = (jnp.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
+  cotangent = jax.random.normal(kc, q.shape, jnp.float32)
+  return q, k, v, segments, cotangent
+
+
+def outputs_and_grads(attend, q, k, v, cotangent):
+  def loss(q, k, v):
+    return jnp.sum(attend(q, k, v).astype(jnp.float32) * cotangent)
+  return (attend(q, k, v), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+
+
+def reference_outputs(q, k, v, segments, cotangent, causal):
+  """The reference forward and gradients in float32 at full matmul precision."""
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  with jax.default_matmul_precision("highest"):
+    fn = jax.jit(lambda q, k, v: outputs_and_grads(
+        lambda q, k, v: reference.attention(q, k, v, segments, causal=causal), q, k, v,
+        cotangent))
+    return jax.device_get(fn(*upcast))
+
+
+def check_against_reference(attend, case, gpu, record_property, name):
+  """Runs `attend` (forward + gradients) on the case's fresh inputs and records its errors."""
+  key = jax.random.fold_in(jax.random.PRNGKey(SEED), zlib.crc32(name.encode()) % 2**31)
+  q, k, v, segments, cotangent = jax.device_put(attention_inputs(key, **case["shape"]),
+                                                gpu.device)
+  got = jax.jit(lambda q, k, v: outputs_and_grads(
+      lambda q, k, v: attend(q, k, v, segments), q, k, v, cotangent))(q, k, v)
+  want = reference_outputs(q, k, v, segments, cotangent, case["causal"])
+  errors = {}
+  for part, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    assert a.dtype == q.dtype and a.shape == b.shape, part
+    errors[part] = rel_error(a, b)
+    record_property(f"rel_error_{part}", errors[part])
+  tolerance = TOLERANCE[case["shape"]["dtype"]]
+  assert max(errors.values()) < tolerance, errors
+
+
+def flash_cases(gpu):
+  """GPU: head dim 128 (and one 64), GQA 4 and MHA, packed and causal mixes, up to 16k tokens.
+  Rehearsal: the same mixes at lengths the Pallas interpreter runs in seconds."""
+  long, mid = gpu.pick((16384, 4096), (96, 80))
+  return [
+      dict(causal=True, shape=dict(batch=1, length=long, heads=8, kv_heads=2, head_dim=128,
+                                   dtype="bfloat16", packed=False)),
+      dict(causal=True, shape=dict(batch=2, length=mid, heads=8, kv_heads=2, head_dim=128,
+                                   dtype="bfloat16", packed=True)),
+      dict(causal=True, shape=dict(batch=2, length=mid, heads=4, kv_heads=4, head_dim=64,
+                                   dtype="float32", packed=True)),
+      dict(causal=False, shape=dict(batch=1, length=gpu.pick(2000, 72), heads=8, kv_heads=2,
+                                    head_dim=128, dtype="float32", packed=False)),
+      dict(causal=True, shape=dict(batch=1, length=gpu.pick(8192, 64), heads=16, kv_heads=2,
+                                   head_dim=128, dtype="bfloat16", packed=True)),
+  ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_flash_kernel_equals_the_reference(gpu, record_property, index):
+  case = flash_cases(gpu)[index]
+  record_property("case", repr(case))
+  check_against_reference(
+      lambda q, k, v, seg: flash_attention(q, k, v, seg, causal=case["causal"]), case, gpu,
+      record_property, f"flash{index}")
+
+
+def cudnn_attention(q, k, v, segments, causal):
+  mask = None if segments is None else reference.attention_mask(q.shape[1], segments,
+                                                                causal=False)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                      implementation="cudnn")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_attention_equals_the_reference(gpu, record_property, packed):
+  """jax.nn.dot_product_attention's cuDNN kernel (bf16; cuDNN's flash attention takes no fp32),
+  causal, GQA 4; packed documents through the boolean mask."""
+  gpu.needs_gpu("cuDNN attention")
+  case = dict(causal=True, shape=dict(batch=1, length=8192 if not packed else 2048, heads=8,
+                                      kv_heads=2, head_dim=128, dtype="bfloat16", packed=packed))
+  check_against_reference(lambda q, k, v, seg: cudnn_attention(q, k, v, seg, True), case, gpu,
+                          record_property, f"cudnn{packed}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_triton_rmsnorm_equals_the_reference(gpu, record_property, dtype):
+  """The raw Triton residual-add + RMSNorm through jax-triton: h bit-exact (one rounding of the
+  float32 sum, as XLA's), y within float32 rounding, or 2 bf16 ulps (the product's own cast)."""
+  gpu.needs_gpu("jax-triton")
+  from kernels import triton_rmsnorm
+  kx, kr, ks = jax.random.split(jax.random.PRNGKey(SEED), 3)
+  rows, dim = 4096, 4096
+  x, r = (jax.device_put(jax.random.normal(key, (rows, dim), dtype), gpu.device)
+          for key in (kx, kr))
+  scale = jax.device_put(jax.random.uniform(ks, (dim,), dtype, 0.5, 1.5), gpu.device)
+  y, h = jax.jit(triton_rmsnorm.rmsnorm_residual)(x, r, scale)
+  want_y, want_h = jax.jit(lambda *a: reference.rmsnorm_residual(*a, 1e-5))(x, r, scale)
+  assert y.dtype == x.dtype and h.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
+  error = rel_error(y, want_y)
+  record_property("rel_error_y", error)
+  assert error < (1e-6 if dtype == "float32" else 2 * 2.0 ** -8), error
+
+
+BASE = ModelConfig(vocab_size=64, embed_dim=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=64, mlp_dim=512)
+# Capacity factor E / k: the dropping path could take every token, so nothing drops anywhere.
+EXPERTS = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=256, num_shared_experts=1,
+                    capacity_factor=4.0, dispatch="dropless")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_dropless_equals_the_dense_reference(gpu, record_property, dtype):
+  """Tokens sorted by expert through `jax.lax.ragged_dot` (the grouped GEMM) equal every expert on
+  every token mixed by the router weights, forward and gradients; the reference in float32 at
+  `highest` precision. float32 at the CPU test's 1e-5 (also `highest`), bf16 at 2e-2."""
+  # The same parameters (same init) under the tested compute dtype and under float32.
+  graphdef, state = nnx.split(MoE(dataclasses.replace(BASE, moe=EXPERTS, dtype=dtype),
+                                  rngs=nnx.Rngs(SEED % 1000)))
+  reference_graphdef, reference_state = nnx.split(MoE(dataclasses.replace(BASE, moe=EXPERTS),
+                                                      rngs=nnx.Rngs(SEED % 1000)))
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference_state)):
+    np.testing.assert_array_equal(a, b)
+  tokens = gpu.pick((4, 1024), (2, 16))
+  x = jax.random.normal(jax.random.PRNGKey(SEED), (*tokens, BASE.embed_dim), jnp.float32)
+  state, x = jax.device_put((state, x), gpu.device)
+
+  def grads(graphdef, dispatch):
+    def loss(state, x):
+      y, stats = nnx.merge(graphdef, state)(x, dispatch)
+      return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, stats)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
+
+  with jax.default_matmul_precision("highest"):
+    (_, (want, _)), want_grads = grads(reference_graphdef, "dense")
+  with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+    (_, (got, stats)), got_grads = grads(graphdef, "dropless")
+  assert float(stats["dropped"]) == 0
+  tolerance = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+  errors = [rel_error(got, want)] + [
+      rel_error(a, b) for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads))]
+  record_property("max_rel_error", max(errors))
+  assert max(errors) < tolerance, errors
