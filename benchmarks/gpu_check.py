@@ -70,6 +70,20 @@ def gpu_names() -> list[str]:
       if proc.returncode == 0 else []
 
 
+def wheels_to_install(files: list[str], mode: str) -> list[str]:
+  """The carried wheels to install: all ("pinned"), none, or those whose distribution this
+  Python lacks ("missing"; wheel names carry the normalized distribution name)."""
+  def missing(path):
+    try:
+      importlib.metadata.version(os.path.basename(path).split("-")[0])
+      return False
+    except importlib.metadata.PackageNotFoundError:
+      return True
+  if mode == "pinned":
+    return files
+  return [] if mode == "none" else [f for f in files if missing(f)]
+
+
 def install(wheels: str) -> list[str]:
   """meshtron (editable, no dependencies) and the carried wheels; returns what was installed."""
   done = []
@@ -78,20 +92,11 @@ def install(wheels: str) -> list[str]:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-build-isolation", "-e", REPO], check=True)
     done.append("meshtron (editable)")
-  files = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
-  if wheels != "none" and files:
-    def missing(path):
-      name = os.path.basename(path).split("-")[0]
-      try:
-        importlib.metadata.version(name)
-        return False
-      except importlib.metadata.PackageNotFoundError:
-        return True
-    chosen = files if wheels == "pinned" else [f for f in files if missing(f)]
-    if chosen:
-      subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                      "--no-compile", "--upgrade", "--target", SITE, *chosen], check=True)
-      done += [os.path.basename(f) for f in chosen]
+  chosen = wheels_to_install(sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl"))), wheels)
+  if chosen:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-compile", "--upgrade", "--target", SITE, *chosen], check=True)
+    done += [os.path.basename(f) for f in chosen]
   if REPO not in sys.path:  # this process: the editable install's path hook loads at start-up
     sys.path.insert(0, REPO)
   if os.path.isdir(SITE):

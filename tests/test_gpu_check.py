@@ -133,3 +133,11 @@ def test_carried_wheels_are_the_pinned_versions():
     if name.lower() in pins:
       assert pins[name.lower()] == version, name
   assert {"grain", "ml-collections", "tensorboardX", "jax-triton", "flax"} <= set(carried)
+
+
+def test_carried_wheels_install_only_what_is_missing_unless_pinned():
+  import gpu_check
+  files = ["/w/flax-0.12.8-py3-none-any.whl", "/w/not_a_real_package_xyz-1.0-py3-none-any.whl"]
+  assert gpu_check.wheels_to_install(files, "missing") == files[1:]  # flax is installed here
+  assert gpu_check.wheels_to_install(files, "pinned") == files
+  assert gpu_check.wheels_to_install(files, "none") == []
