@@ -24,7 +24,8 @@ from configs import llama
 from kernels import reference
 from kernels.cross_entropy import chunked_cross_entropy
 from models import ModelConfig
-from sharding import MeshConfig, compiled
+from sharding import MeshConfig
+from sharding.xla import compiled
 from trainer import loss
 from trainer.compile import compile_for_gpus
 

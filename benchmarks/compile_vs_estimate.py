@@ -15,7 +15,8 @@ import os
 import time
 
 from configs import llama
-from sharding import compiled, estimate
+from sharding.xla import compiled
+from sharding.plan import estimate
 from sharding.mesh import MeshConfig
 from trainer.compile import compile_for_gpus
 from trainer.plan_cli import layout_from_config

@@ -21,7 +21,7 @@ import sys
 import time
 
 from configs import llama
-from sharding import compiled, hlo, overlap
+from sharding.xla import compiled, hlo, overlap
 from sharding.mesh import MeshConfig
 from trainer.compile import compile_for_gpus
 
@@ -81,7 +81,8 @@ def block(grad: bool, collective: bool) -> dict:
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   args = ["h100x8", "8", "dims=1,4096,4096,14336"] + ["grad"] * grad + ["plain"] * (not collective)
   start = time.perf_counter()
-  out = subprocess.run([sys.executable, "-m", "sharding.collective_matmul", *args], cwd=repo,
+  out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "sp_mlp_block.py"),
+                        *args], cwd=repo,
                        capture_output=True, text=True, check=True,
                        env={**env, "JAX_PLATFORMS": "cpu"}).stdout
   cols = hlo.collectives(out)

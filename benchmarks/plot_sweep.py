@@ -96,7 +96,7 @@ def scaling(rows: list[dict], path: str) -> None:
       ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel(f"predicted {label} (sharding/estimate.py, hardware.py)")
+    ax.set_xlabel(f"predicted {label} (sharding/plan/estimate.py, hardware.py)")
     ax.set_ylabel(f"measured {label}")
     ax.set_title(f"{label}: rank correlation {spearman(x, y):.2f}", fontsize=9)
   fig.tight_layout()

@@ -1,6 +1,6 @@
 """The playbook's layout sweep in miniature: every layout of 8 fake CPU devices x micro-batches x
 remat for a small model, measured (throughput, MFU, compiled memory, collectives) next to the
-analytic prediction of sharding/estimate.py + sharding/hardware.py, written to CSV; plus the
+analytic prediction of sharding/plan/estimate.py + sharding/plan/hardware.py, written to CSV; plus the
 scaling lines (each strategy on 1, 2, 4, 8 devices). Plot with benchmarks/plot_sweep.py.
 
 The layouts are a list of dicts (LAYOUTS below): adding a strategy is adding rows. Expert
@@ -69,7 +69,7 @@ def cpu_profile(peak_flops: float, bandwidth: float, devices: int):
   """The analytic model's hardware profile for `devices` fake CPU devices sharing one machine:
   each gets 1/devices of the measured matmul peak and memory bandwidth; collectives are memory
   copies. No factor is fitted to the sweep."""
-  from sharding import hardware
+  from sharding.plan import hardware
   share = max(devices, 1)
   return dataclasses.replace(
       hardware.PROFILES["h100"], name=f"cpu/{share}", memory_bytes=24e9 / share,
@@ -81,7 +81,7 @@ def cpu_profile(peak_flops: float, bandwidth: float, devices: int):
 
 def predict(cfg, devices: int, peak_flops: float, bandwidth: float) -> dict:
   """Analytic tokens/s, step time and per-device memory of `cfg` (issue [4]'s model)."""
-  from sharding import estimate, hardware
+  from sharding.plan import estimate, hardware
   from trainer.plan_cli import layout_from_config
   layout = layout_from_config(cfg, devices)
   precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)

@@ -4,6 +4,9 @@ import ast
 import importlib
 import os
 import re
+import subprocess
+import sys
+import zipfile
 
 import pytest
 
@@ -60,3 +63,68 @@ def test_files_are_small_and_no_grab_bags():
     assert os.path.basename(path) not in {"utils.py", "helpers.py", "misc.py", "common.py"}, path
     lines = sum(1 for _ in open(path))
     assert lines <= 400, f"{path} has {lines} lines (cap 400: split it by responsibility)"
+
+
+def imported_modules(path: str) -> list[str]:
+  tree = ast.parse(open(path).read())
+  names = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names += [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      names += [base] + [f"{base}.{a.name}" for a in node.names]
+  return names
+
+
+def test_runtime_sharding_imports_nothing_from_the_analysis_rooms():
+  """sharding/*.py runs in the train step; sharding/plan (the analytic model) and sharding/xla
+  (compiled-program readers) analyse, and the step never needs them."""
+  runtime = [os.path.join(REPO, "sharding", n) for n in os.listdir(os.path.join(REPO, "sharding"))
+             if n.endswith(".py")]
+  assert len(runtime) > 8
+  for path in runtime:
+    bad = [m for m in imported_modules(path) if m.startswith(("sharding.plan", "sharding.xla"))]
+    assert not bad, (path, bad)
+
+
+def wheel_files(tmp_path) -> list[str]:
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(tmp_path), REPO], check=True, capture_output=True, timeout=300)
+  (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+  return zipfile.ZipFile(os.path.join(tmp_path, wheel)).namelist()
+
+
+def test_the_wheel_holds_every_package_and_the_gpu_targets(tmp_path):
+  """A non-editable install gets every module of the five packages (subpackages included) and
+  the GPU target descriptions, and nothing of tests/ or benchmarks/."""
+  files = set(wheel_files(tmp_path))
+  ours = {os.path.relpath(p, REPO) for p in python_files(*PACKAGES)}
+  assert ours <= files, sorted(ours - files)
+  targets = {os.path.join("sharding", "xla", "targets", n)
+             for n in os.listdir(os.path.join(REPO, "sharding", "xla", "targets"))}
+  assert targets and targets <= files
+  assert not [f for f in files if f.startswith(("tests/", "benchmarks/"))]
+
+
+def test_a_non_editable_install_compiles_for_h100s(tmp_path):
+  """`pip install .` (here: the wheel into a directory of its own, first on the path, run from
+  outside the checkout): `meshtron compile --target=h100x8` finds every module and the GPU
+  target descriptions in the installed copy."""
+  wheel_files(tmp_path)
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                  *[str(tmp_path / p) for p in os.listdir(tmp_path) if p.endswith(".whl")]],
+                 check=True, timeout=300)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
+  where = subprocess.run([sys.executable, "-c",
+                          "import sharding.xla.compiled as c; print(c.__file__)"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
+  assert where.stdout.strip().startswith(str(site)), where.stdout
+  run = subprocess.run([sys.executable, "-c",
+                        "from trainer.host_memory import meshtron; meshtron()", "compile",
+                        "--config=debug", "--target=h100x8", "--config.mesh.data=8"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "h100" in run.stdout.lower() and "peak" in run.stdout.lower(), run.stdout[-2000:]

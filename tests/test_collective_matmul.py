@@ -13,7 +13,7 @@ import pytest
 
 import sharding
 from sharding import collective_matmul as cm
-from sharding import hlo, overlap
+from sharding.xla import hlo, overlap
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training, reference  # noqa: F401
 from trainer.loop import Trainer
@@ -140,8 +140,9 @@ def test_layouts_it_cannot_decompose_are_one_line_errors():
 
 def gpu_program(*args: str) -> str:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run([sys.executable, "-m", "sharding.collective_matmul", "h100x8", "8",
-                           *args], capture_output=True, text=True, cwd=REPO, timeout=600,
+  result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "sp_mlp_block.py"),
+                           "h100x8", "8", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=600,
                           env={**env, "JAX_PLATFORMS": "cpu"})
   assert result.returncode == 0, result.stderr[-2000:]
   return result.stdout

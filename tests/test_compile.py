@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from configs import llama
-from sharding import MeshConfig, compiled
+from sharding import MeshConfig
+from sharding.xla import compiled
 from trainer.compile import compile_for_gpus, compile_locally
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")

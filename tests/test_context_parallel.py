@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from models import ModelConfig
-from sharding import MeshConfig, hlo
+from sharding import MeshConfig
+from sharding.xla import hlo
 from sharding.context_parallel import zigzag_permutation
 from tests import parallel_harness as harness
 from tests.test_parallel import GRAD_RTOL, assert_same_training, reference  # noqa: F401

@@ -13,7 +13,7 @@ from kernels import reference
 from kernels.cross_entropy import chunked_cross_entropy
 from models import ModelConfig, abstract_model, param_names
 from models.builder import init_params
-from sharding import hlo
+from sharding.xla import hlo
 from trainer import loss
 from trainer.step import make_grads_fn
 

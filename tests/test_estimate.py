@@ -12,8 +12,8 @@ import pytest
 
 from configs.llama import MODELS
 from models.config import ModelConfig
-from sharding import hardware
-from sharding.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM, Layout,
+from sharding.plan import hardware
+from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM, Layout,
                                ModelSpec, activation_terms, layer_activation_bytes, memory,
                                model_spec, param_counts, state_bytes, trainer_precision)
 from sharding.schedules import bubble_ratio, in_flight_microbatches, table_if_valid

@@ -18,7 +18,8 @@ import functools
 
 import pytest
 
-from sharding import MeshConfig, estimate
+from sharding import MeshConfig
+from sharding.plan import estimate
 from tests import parallel_harness as harness
 from trainer.plan_cli import layout_from_config
 

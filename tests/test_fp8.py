@@ -24,7 +24,8 @@ import pytest
 from configs import llama
 from models.config import Fp8Config
 from models.fp8 import E4M3, E5M2, FP8_HISTORY, fp8_einsum, scale_from_history
-from sharding import MeshConfig, compiled
+from sharding import MeshConfig
+from sharding.xla import compiled
 from tests import parallel_harness as harness
 from tests import training_runs
 from trainer.compile import compile_for_gpus

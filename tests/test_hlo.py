@@ -1,4 +1,4 @@
-"""Tests for sharding.hlo: hand-written HLO in every syntax, and programs compiled on 8 CPUs."""
+"""Tests for sharding.xla.hlo: hand-written HLO in every syntax, and programs compiled on 8 CPUs."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding import hlo
+from sharding.xla import hlo
 
 F32_128x64 = 128 * 64 * 4
 

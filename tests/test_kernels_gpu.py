@@ -12,7 +12,8 @@ import pytest
 
 from configs import llama
 from models import ModelConfig
-from sharding import MeshConfig, compiled
+from sharding import MeshConfig
+from sharding.xla import compiled
 from trainer.compile import compile_for_gpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS_ON_H100 = r"""
 import json, re, time
 import jax, jax.numpy as jnp
-from sharding import compiled
+from sharding.xla import compiled
 device = compiled.gpu_devices(compiled.parse_gpu_target("h100x1"))[0]  # needs the gpu-aot extra
 from kernels import flash_attention
 from kernels.cross_entropy import chunked_cross_entropy

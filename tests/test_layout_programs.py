@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from sharding import MeshConfig, hlo
+from sharding import MeshConfig
+from sharding.xla import hlo
 from tests import parallel_harness as harness
 
 CFG = harness.MODEL
@@ -52,7 +53,8 @@ def looped(cols, kind) -> int:
 SP_MESH = dict(data=1, fsdp=4, tensor=2, sequence_parallel=True)
 HLO_OF_THE_DEFAULT_BUILD = f"""
 import hashlib
-from sharding import MeshConfig, hlo
+from sharding import MeshConfig
+from sharding.xla import hlo
 from tests import parallel_harness as harness
 text = harness.compile_step(MeshConfig(**{SP_MESH!r})).as_text()
 print(hashlib.sha256(hlo.without_source_info(text).encode()).hexdigest())

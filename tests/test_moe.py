@@ -17,7 +17,7 @@ from configs import moe as moe_configs
 from models import ModelConfig, abstract_model, param_names
 from models.config import MoEConfig
 from models.moe import MoE, Router, capacity, dispatch_masks, update_bias
-from sharding.estimate import model_spec
+from sharding.plan.estimate import model_spec
 from trainer.config import OptimConfig
 from trainer.optim import frozen_mask, make_optimizer
 from trainer.state import create_state, make_init_fn

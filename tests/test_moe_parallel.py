@@ -18,7 +18,8 @@ import sharding
 from configs import moe as moe_configs
 from models.config import MoEConfig
 from models.moe import MoE
-from sharding import MeshConfig, compiled, hlo
+from sharding import MeshConfig
+from sharding.xla import compiled, hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import GRAD_RTOL, LOSS_RTOL, UPDATE_RTOL
 from trainer.compile import compile_for_gpus
@@ -140,7 +141,7 @@ def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
   rep = compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
   assert rep.platform != "cpu" and rep.num_devices == 8
   text = path.read_text()
-  # sharding.hlo's report does not list ragged-all-to-all yet: count its executions with the
+  # sharding.xla.hlo's report does not list ragged-all-to-all yet: count its executions with the
   # report's own loop-trip accounting (XLA peels some layer-loop iterations out of the loop).
   comps, _ = hlo._parse(text)  # pylint: disable=protected-access
   runs, _, _ = hlo._counts(comps)  # pylint: disable=protected-access

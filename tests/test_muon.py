@@ -16,7 +16,8 @@ import pytest
 
 from models import param_names
 from models.builder import init_params
-from sharding import MeshConfig, estimate, optimizer_cost
+from sharding import MeshConfig
+from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_parallel import assert_same_training

@@ -10,7 +10,8 @@ import pytest
 
 from configs import llama
 from models import param_names
-from sharding import MeshConfig, compiled, hlo, overlap
+from sharding import MeshConfig
+from sharding.xla import compiled, hlo, overlap
 from trainer.compile import compile_for_gpus
 
 SAMPLES = os.path.join(os.path.dirname(__file__), "hlo_samples")

@@ -6,7 +6,8 @@ import dataclasses
 import jax
 import pytest
 
-from sharding import MeshConfig, hlo, schedules
+from sharding import MeshConfig, schedules
+from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
 from trainer.loop import Trainer

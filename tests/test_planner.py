@@ -11,8 +11,8 @@ import time
 import pytest
 
 from configs.llama import MODELS
-from sharding import estimate, hardware, planner
-from sharding.estimate import PLAYBOOK_MIXED, Layout
+from sharding.plan import estimate, hardware, planner
+from sharding.plan.estimate import PLAYBOOK_MIXED, Layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = hardware.PROFILES["h100"]

@@ -20,7 +20,8 @@ import optax
 import pytest
 
 from models.config import Fp8Config, ModelConfig
-from sharding import MeshConfig, estimate, optimizer_cost
+from sharding import MeshConfig
+from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_step import TINY, one_device_state, random_batch

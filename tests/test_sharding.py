@@ -210,7 +210,7 @@ def test_trainer_and_estimate_split_the_vocab_alike(batch, microbatches, split):
   """The debug model (264 vocab) at 8 tokens a sequence on fsdp=8: the group shares batch x 8 /
   microbatches tokens per microbatch; "auto" splits the vocab at 64 and keeps it at 256. The
   analytic model (meshtron plan / memory) decides the same from the same layout."""
-  from sharding import estimate
+  from sharding.plan import estimate
   from trainer.plan_cli import layout_from_config
   cfg = debug_config(fsdp=8)
   cfg.batch_size, cfg.seq_len, cfg.microbatches = batch, 8, microbatches

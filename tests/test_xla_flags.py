@@ -7,7 +7,8 @@ import jax
 import pytest
 
 from configs import llama
-from sharding import MeshConfig, compiled, xla_flags
+from sharding import MeshConfig
+from sharding.xla import compiled, presets
 from trainer.compile import compile_for_gpus
 from trainer.config import compiler_options
 from trainer.loop import Trainer
@@ -25,26 +26,26 @@ def tiny(**fields):
   return cfg
 
 
-@pytest.mark.parametrize("name", sorted(xla_flags.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_every_preset_is_accepted_by_this_xla(name):
-  options = xla_flags.compiler_options(name)
-  assert xla_flags.check_options(options) == options
-  text = xla_flags.describe(name)  # each option says what it does and what it did
+  options = presets.compiler_options(name)
+  assert presets.check_options(options) == options
+  text = presets.describe(name)  # each option says what it does and what it did
   assert all(f"{o.name}={o.value}: " in text and len(o.effect) > 40
-             for o in xla_flags.preset(name).options)
+             for o in presets.preset(name).options)
 
 
 def test_presets_are_versioned_and_auto_pipelines_only_data_and_fsdp_meshes():
-  assert all(re.fullmatch(r"none|[a-z_]+_v\d+", name) for name in xla_flags.PRESETS)
-  assert xla_flags.DEFAULT_PRESET == "auto" and xla_flags.compiler_options("none") == {}
+  assert all(re.fullmatch(r"none|[a-z_]+_v\d+", name) for name in presets.PRESETS)
+  assert presets.DEFAULT_PRESET == "auto" and presets.compiler_options("none") == {}
   sizes = dict(data=2, pipeline=1, fsdp=4, expert=1, context=1, tensor=1)
-  assert xla_flags.resolve("auto", sizes) == "overlap_v1"
-  default = xla_flags.compiler_options("auto", mesh_sizes=sizes)
+  assert presets.resolve("auto", sizes) == "overlap_v1"
+  default = presets.compiler_options("auto", mesh_sizes=sizes)
   assert default["xla_gpu_enable_pipelined_all_gather"] is True
   assert default["xla_gpu_enable_latency_hiding_scheduler"] is True
   for axis in ("tensor", "context", "expert", "pipeline"):
-    assert xla_flags.resolve("auto", {**sizes, axis: 2}) == "scheduler_v1"
-  assert xla_flags.resolve("overlap_v1", {**sizes, "tensor": 2}) == "overlap_v1"  # as asked
+    assert presets.resolve("auto", {**sizes, axis: 2}) == "scheduler_v1"
+  assert presets.resolve("overlap_v1", {**sizes, "tensor": 2}) == "overlap_v1"  # as asked
 
 
 @pytest.mark.parametrize("options, culprit, why", [
@@ -57,7 +58,7 @@ def test_presets_are_versioned_and_auto_pipelines_only_data_and_fsdp_meshes():
 ])
 def test_bad_options_are_one_line_errors_naming_the_option_and_versions(options, culprit, why):
   with pytest.raises(ValueError) as e:
-    xla_flags.check_options(options)
+    presets.check_options(options)
   message = str(e.value)
   assert "\n" not in message and f"XLA option {culprit}=" in message
   assert VERSIONS in message and why in message

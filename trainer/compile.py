@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 
-from sharding import compiled as compiled_report
-from sharding import xla_flags
+from sharding.xla import compiled as compiled_report
+from sharding.xla import presets
 from trainer.config import TrainConfig, config_from_dict
 
 
@@ -41,7 +41,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
                 f" remat={cfg.model.remat}",
       "tokens per step": tokens,
       "xla options": f"preset {cfg.xla_preset}"
-                     f" ({xla_flags.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
+                     f" ({presets.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
                      + (f" + {cfg.xla_options}" if cfg.xla_options else ""),
       "model FLOPs per device per step (6N + attention)":
           f"{cfg.model.flops_per_token(cfg.seq_len) * tokens / len(devices):.4g}",

@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 from models.config import ModelConfig
-from sharding import xla_flags
+from sharding.xla import presets
 from sharding import schedules
 from sharding.mesh import BATCH_AXES, MeshConfig
 
@@ -144,8 +144,8 @@ class TrainConfig:
   # passed to jit(compiler_options=...) for training and `meshtron compile` alike.
   xla_options: str = ""
   # A named, versioned set of XLA options for compute/communication overlap (sharding/
-  # xla_flags.py: "auto", "none", "overlap_v1", ...); xla_options override it option by option.
-  xla_preset: str = xla_flags.DEFAULT_PRESET
+  # presets.py: "auto", "none", "overlap_v1", ...); xla_options override it option by option.
+  xla_preset: str = presets.DEFAULT_PRESET
   # Memory per device in GiB for the fit check before training (the compiled program's peak must
   # fit); 0 = the device's own limit where the backend reports one (GPUs), else no check.
   device_memory_gib: float = 0.0
@@ -177,7 +177,7 @@ class TrainConfig:
     if self.init_from and (not self.init_from.startswith("hf:") or self.init_from == "hf:"):
       raise ValueError(f"init_from must be empty or hf:<Hugging Face model directory>, got"
                        f" {self.init_from!r}")
-    xla_flags.resolve(self.xla_preset)  # names the known presets if not one of them
+    presets.resolve(self.xla_preset)  # names the known presets if not one of them
 
 
 def validate_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
@@ -239,7 +239,7 @@ def parse_xla_options(text: str) -> dict:
 def compiler_options(cfg: TrainConfig, mesh_sizes: dict[str, int]) -> dict:
   """The XLA options of the train step on a mesh of these sizes: the preset's (`auto` depends on
   the mesh), overridden by explicit xla_options."""
-  return xla_flags.compiler_options(cfg.xla_preset, parse_xla_options(cfg.xla_options),
+  return presets.compiler_options(cfg.xla_preset, parse_xla_options(cfg.xla_options),
                                     mesh_sizes)
 
 

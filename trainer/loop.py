@@ -13,7 +13,8 @@ import numpy as np
 from absl import logging
 
 import sharding
-from sharding import compiled, report, xla_flags
+from sharding.xla import compiled, presets
+from sharding import report
 from models import abstract_model, param_names
 from trainer import checkpoint, convert, data, metrics, plot, preemption, sample
 from trainer.config import TrainConfig, compiler_options, validate_layout
@@ -87,7 +88,7 @@ class Trainer:
       self.batch_sharding = {
           k: sharding.named_sharding(("batch", "seq"), shape, f"batch/{k}") for k in BATCH_KEYS}
       replicated = sharding.replicated()
-      options = xla_flags.check_options(  # fails at start-up, not deep in a run
+      options = presets.check_options(  # fails at start-up, not deep in a run
           compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
       self.step_fn = make_train_step(self.graphdef, self.names, self.tx, self.lr,
                                      microbatches=cfg.microbatches, z_loss=cfg.z_loss,

@@ -64,7 +64,7 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def _compile(config) -> None:
-  from sharding import compiled
+  from sharding.xla import compiled
   from trainer.compile import compile_report
   rep, device_memory = compile_report(config, _TARGET.value, _HLO.value)
   if _JSON.value:

@@ -94,7 +94,7 @@ def _muon(cfg: OptimConfig, names, lr, adamw) -> optax.GradientTransformation:
   polynomials of it times X) on the update as sharded as its parameter; under GSPMD each matmul
   runs sharded and XLA inserts the collectives, e.g. with the fan-in dim over `fsdp` an
   all-reduce of the [m, m] Gram matrix per iteration (m = the smaller dim). Nothing is gathered
-  per matrix. sharding.estimate.muon_newton_schulz counts those FLOPs and bytes.
+  per matrix. sharding.plan.optimizer_cost.muon_newton_schulz counts those FLOPs and bytes.
   """
   def label(n):
     if is_frozen(n):

@@ -8,7 +8,7 @@ import time
 
 from absl import flags
 
-from sharding import estimate, hardware, planner
+from sharding.plan import estimate, hardware, planner
 
 _MODEL = flags.DEFINE_string("model", "", "memory/plan: model preset (e.g. llama3_70b,"
                              " playbook_8b, mixtral_8x7b); memory without it reads --config")

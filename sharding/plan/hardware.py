@@ -6,8 +6,8 @@ import math
 import os
 
 from sharding import schedules
-from sharding.estimate import (Layout, ModelSpec, Precision, fsdp_group_tokens, memory, model_spec,
-                               param_counts, vocab_split)
+from sharding.plan.estimate import (Layout, ModelSpec, Precision, fsdp_group_tokens, memory,
+                                    model_spec, param_counts, vocab_split)
 from sharding.rules import lookup_moves_rows
 
 # Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.

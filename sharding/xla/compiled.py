@@ -4,7 +4,7 @@ import dataclasses
 import os
 import re
 
-from sharding import hlo, overlap
+from sharding.xla import hlo, overlap
 
 GIB = 1024 ** 3
 _TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")

@@ -3,8 +3,8 @@ the valid ones ranked by predicted throughput (the playbook's "finding the best 
 
 import dataclasses
 
-from sharding import hardware
-from sharding.estimate import (GB, REMATS, SCHEDULES, Layout, Memory, ModelSpec, Precision,
+from sharding.plan import hardware
+from sharding.plan.estimate import (GB, REMATS, SCHEDULES, Layout, Memory, ModelSpec, Precision,
                                memory, model_spec)
 
 

@@ -1,4 +1,4 @@
-"""Analytic costs of the optimizer and precision choices, on top of sharding.estimate: Muon's
+"""Analytic costs of the optimizer and precision choices, on top of sharding.plan.estimate: Muon's
 state and Newton-Schulz FLOPs and communication, and the fp8 amax-history state.
 
 Pure Python, like estimate.py (which is near its size cap; this extends its model additively).
@@ -6,7 +6,7 @@ Pure Python, like estimate.py (which is near its size cap; this extends its mode
 
 import dataclasses
 
-from sharding.estimate import (DTYPE_BYTES, Layout, Memory, Precision, memory, model_spec,
+from sharding.plan.estimate import (DTYPE_BYTES, Layout, Memory, Precision, memory, model_spec,
                                shards)
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import math
 import re
 
-from sharding import hlo
+from sharding.xla import hlo
 
 # Instructions that launch no kernel: data plumbing, and the async halves of other operations.
 _NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",

@@ -1,0 +1,84 @@
+"""Prints one JSON line per train-step program: a hash of its optimized HLO without source
+locations (`sharding.xla.hlo.without_source_info`) or the module's name, for checking that a
+refactor leaves every compiled program unchanged. Run it before and after, then compare:
+
+  python benchmarks/program_hashes.py > before.jsonl   # (on the old commit)
+  python benchmarks/program_hashes.py --compare before.jsonl
+
+The programs: the 15 named layouts of tests/test_parallel.py, plus a pipeline (1F1B), context
+parallelism (ring), MoE expert parallelism (dropless and dropping), fp8 and the Pallas flash +
+chunked-loss step, on 8 fake CPU devices (built with the test suite's LLVM -O0, whose HLO is
+the default build's: tests/test_layout_programs.py).
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+
+from models.config import Fp8Config, MoEConfig  # noqa: E402
+from sharding import MeshConfig  # noqa: E402
+from sharding.xla import hlo  # noqa: E402
+from tests import parallel_harness as harness  # noqa: E402
+from tests.test_parallel import LAYOUTS  # noqa: E402
+
+MOE = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1,
+                first_dense_layers=1, router="sigmoid", bias_update_rate=0.01,
+                dispatch="dropless")
+
+
+def programs() -> dict:
+  """name -> (MeshConfig, harness.compile_step keyword arguments)."""
+  out = dict(LAYOUTS)
+  out["pipeline=2,1f1b,data=4"] = (MeshConfig(data=4, pipeline=2, pipeline_schedule="1f1b"),
+                                   dict(microbatches=8))
+  out["context=4,data=2"] = (MeshConfig(data=2, context=4), {})
+  out["expert=4,fsdp=2,dropless"] = (MeshConfig(data=1, expert=4, fsdp=2), dict(moe=MOE))
+  out["expert=8,dropping"] = (MeshConfig(data=1, expert=8),
+                              dict(moe=dataclasses.replace(MOE, dispatch="dropping")))
+  out["fsdp=8,fp8"] = (MeshConfig(data=1, fsdp=8),
+                       dict(model=dataclasses.replace(harness.MODEL, fp8=Fp8Config(True))))
+  out["data=2,fsdp=2,tensor=2,flash,chunked"] = (
+      MeshConfig(data=2, fsdp=2, tensor=2),
+      dict(model=dataclasses.replace(harness.MODEL, attention_impl="pallas_flash",
+                                     loss_impl="chunked", loss_chunk_size=4), microbatches=2))
+  return out
+
+
+def program_hash(text: str) -> str:
+  text = re.sub(r"^HloModule \S+", "HloModule", hlo.without_source_info(text), flags=re.M)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--compare", default="", help="a previous run's output: report changes")
+  args = parser.parse_args()
+  before = {}
+  if args.compare:
+    before = {r["program"]: r["hash"] for r in map(json.loads, open(args.compare)) if r}
+  changed = []
+  for name, (mesh_cfg, options) in programs().items():
+    digest = program_hash(harness.compile_step(mesh_cfg, **options).as_text())
+    row = {"program": name, "hash": digest}
+    if before:
+      row["same"] = before.get(name) == digest
+      if not row["same"]:
+        changed.append(name)
+    print(json.dumps(row), flush=True)
+  if args.compare:
+    print(json.dumps({"compared": len(before), "changed": changed}), flush=True)
+    sys.exit(1 if changed else 0)
+
+
+if __name__ == "__main__":
+  main()
