@@ -19,7 +19,6 @@ from sharding.xla import compiled
 from sharding.plan import estimate
 from sharding.mesh import MeshConfig
 from trainer.compile import compile_for_gpus
-from trainer.plan_cli import layout_from_config
 
 BATCH, SEQ = 8, 4096  # 8 sequences of 4096 tokens: one sequence per GPU per microbatch
 LAYOUTS = [  # (name, mesh, microbatches, remat)
@@ -48,7 +47,7 @@ def main() -> None:
     if args.only >= 0 and i != args.only:
       continue
     cfg = config(mesh, microbatches, remat)
-    layout = layout_from_config(cfg, target.num_devices)
+    layout = cfg.layout(target.num_devices)
     precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
     est = estimate.memory(cfg.model, layout, SEQ, precision, workspace_bytes=0)
     start = time.perf_counter()

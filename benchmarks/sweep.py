@@ -82,8 +82,7 @@ def cpu_profile(peak_flops: float, bandwidth: float, devices: int):
 def predict(cfg, devices: int, peak_flops: float, bandwidth: float) -> dict:
   """Analytic tokens/s, step time and per-device memory of `cfg` (issue [4]'s model)."""
   from sharding.plan import estimate, hardware
-  from trainer.plan_cli import layout_from_config
-  layout = layout_from_config(cfg, devices)
+  layout = cfg.layout(devices)
   precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
   mem = estimate.memory(cfg.model, layout, cfg.seq_len, precision, workspace_bytes=0)
   t = hardware.step_time(cfg.model, layout, cfg.seq_len, precision,

@@ -16,6 +16,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -36,24 +37,18 @@ MODELS = {
     "100m": dict(vocab_size=32_000, embed_dim=768, num_layers=8, num_heads=12, num_kv_heads=12,
                  head_dim=64, mlp_dim=2048),
 }
-# Layout keys: the six mesh axes plus the two switches (see sharding/mesh.py MeshConfig).
-LAYOUT_KEYS = {"data", "pipeline", "fsdp", "expert", "context", "tensor", "zero_stage",
-               "sequence_parallel"}
-_ALIASES = {"zero": "zero_stage", "sp": "sequence_parallel", "dp": "data", "tp": "tensor",
-            "pp": "pipeline", "cp": "context", "ep": "expert"}
 
 
 def parse_layout(text: str) -> dict:
-  """"fsdp=4,tensor=2,sp=1" -> {"fsdp": 4, "tensor": 2, "sequence_parallel": True}; "" -> {}."""
-  layout = {}
-  for item in filter(None, (p.strip() for p in text.split(","))):
-    key, _, value = item.partition("=")
-    key = _ALIASES.get(key.strip(), key.strip())
-    if key not in LAYOUT_KEYS:
-      raise SystemExit(f"unknown layout key {key!r}; keys: {', '.join(sorted(LAYOUT_KEYS))}")
-    layout[key] = value.strip().lower() in ("1", "true") if key == "sequence_parallel" \
-        else int(value)
-  return layout
+  """"fsdp=4,tp=2,sp=1" -> {"fsdp": 4, "tensor": 2, "sequence_parallel": True}: the mesh config
+  fields that differ from one device (sharding.layout.parse: mesh names or the dp/tp/... aliases,
+  one-line errors); "" -> {}."""
+  import sharding.layout
+  from sharding.mesh import MeshConfig
+  layout, default = sharding.layout.parse(text), sharding.layout.Layout()
+  fields = {f.name for f in dataclasses.fields(MeshConfig)}
+  return {k: v for k, v in dataclasses.asdict(layout).items()
+          if k in fields and v != getattr(default, k)}
 
 
 def layout_name(layout: dict) -> str:

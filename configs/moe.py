@@ -25,8 +25,7 @@ MODELS = {
     # 256 routed experts of 2048 top-8 + 1 shared, sigmoid router with normalized top-k weights
     # x 2.5, aux-loss-free bias (rate 0.001) and a tiny balance loss (0.0001). Not modelled:
     # MLA (here 128 query heads, 8 KV heads of 128), node-limited / group-limited routing
-    # (top-4 of 8 expert groups), the multi-token-prediction module, YaRN RoPE, the
-    # sequence-wise form of the balance loss (ours is batch-wise), fp8 training.
+    # (top-4 of 8 expert groups), the multi-token-prediction module, YaRN RoPE, fp8 training.
     "deepseek_v3_like": ModelConfig(
         vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=8,
         head_dim=128, mlp_dim=18_432, rope_theta=10_000.0, norm_eps=1e-6, dtype="bfloat16",

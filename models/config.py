@@ -2,21 +2,28 @@
 
 import dataclasses
 
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas_flash")
+from kernels.attention import IMPLS as ATTENTION_IMPLS
+from sharding.expert import EXCHANGES
+from sharding.layout import REMATS
+
 LOSS_IMPLS = ("dense", "chunked")
-REMAT_POLICIES = ("none", "full", "selective")
+# Remat policies by name: the jax.checkpoint_policies member each applies to one layer's body
+# (models/transformer.py). "selective" keeps the projection matmul outputs (dots without batch
+# dims) and recomputes the rest, notably the attention scores and softmax, whose einsums carry
+# batch dims. The names are the layout's (sharding.layout.REMATS: the analytic model's too).
+REMAT_POLICIES = dict(zip(REMATS, (None, "dots_with_no_batch_dims_saveable",
+                                   "nothing_saveable")))
 CONTEXT_IMPLS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
-EXCHANGES = ("auto", "padded", "ragged")
 FP8_RECIPES = ("delayed",)
 # Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
 # a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
 FP8_TARGETS = ("attention", "mlp", "experts", "head")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(unsafe_hash=True)
 class Fp8Config:
   """fp8 matmuls with per-tensor delayed scaling (models/fp8.py), off by default.
 
@@ -46,7 +53,7 @@ class Fp8Config:
       raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(unsafe_hash=True)
 class MoEConfig:
   """Mixture-of-experts feed-forward for the layers after `first_dense_layers` (models/moe.py).
 
@@ -99,10 +106,11 @@ class MoEConfig:
         raise ValueError(f"model.moe.{name}={getattr(self, name)!r} is not one of {allowed}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(unsafe_hash=True)
 class ModelConfig:
-  """A Llama-style decoder. Dimension letters: V vocab, D embed, H heads, K kv heads, Dh head dim,
-  F mlp, L layers."""
+  """A Llama-style decoder (dimension letters, as in README: V vocab, D embed, H heads, K kv heads,
+  d head dim, F mlp; the layer count is `num_layers`). Hashable (a built Transformer keeps a copy
+  of its config: models/transformer.py); treat it as read-only once a model is built."""
 
   vocab_size: int = 264
   embed_dim: int = 128
@@ -162,7 +170,7 @@ class ModelConfig:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
     for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
                           ("context_impl", CONTEXT_IMPLS),
-                          ("remat", REMAT_POLICIES),
+                          ("remat", tuple(REMAT_POLICIES)),
                           ("dtype", DTYPES), ("param_dtype", DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {allowed}")

@@ -12,7 +12,7 @@ from flax import nnx
 
 from models import hf_mapping
 from models.builder import abstract_model
-from models.config import ModelConfig, MoEConfig
+from models.config import ModelConfig
 
 # safetensors dtype codes. Reads use the documented file layout (8-byte header size, JSON header,
 # raw little-endian data) through np.memmap: the `safetensors` numpy API cannot return bfloat16,
@@ -194,27 +194,6 @@ def from_pretrained(model_dir: str, dtype: str = "float32", shardings=None):
   return nnx.merge(graphdef, load_params(model_dir, cfg, shardings))
 
 
-def config_of(model) -> ModelConfig:
-  """The ModelConfig a built Transformer was made from (its shapes and static numbers)."""
-  vocab, dim = model.embed.table.shape
-  stack = model.layers if model.layers is not None else model.moe_layers
-  _, _, heads, head_dim = stack.attn.q.w.shape
-  _, theta, factor, low, high, original = stack.attn.rope
-  moe, mlp_dim = None, None
-  if model.layers is not None:
-    mlp_dim = model.layers.mlp.gate.w.shape[-1]
-  if model.moe_layers is not None:
-    moe = MoEConfig(**dict(model.moe_fields))
-    mlp_dim = mlp_dim or model.moe_layers.moe.experts.gate.w.shape[-1]
-  return ModelConfig(
-      vocab_size=vocab, embed_dim=dim, num_layers=model.num_layers, num_heads=heads,
-      num_kv_heads=stack.attn.k.w.shape[2], head_dim=head_dim,
-      mlp_dim=mlp_dim, tie_embeddings=model.head is None,
-      norm_eps=model.final_norm.eps, rope_theta=theta, rope_scaling_factor=factor,
-      rope_low_freq_factor=low, rope_high_freq_factor=high, rope_original_max_len=original,
-      param_dtype=str(model.embed.table.dtype), dtype=str(np.dtype(model.embed.dtype)), moe=moe)
-
-
 def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: dict | None = None,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
   """Writes config.json and safetensors that `transformers` loads; returns the files written.
@@ -270,5 +249,5 @@ def save_pretrained(model, out_dir: str, *, base_config: dict | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
   """Writes a meshtron Transformer as a HF LlamaForCausalLM directory (see `save_params`)."""
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  return save_params(params, config_of(model), out_dir, base_config=base_config,
+  return save_params(params, model.config, out_dir, base_config=base_config,
                      max_shard_bytes=max_shard_bytes)

@@ -9,6 +9,10 @@ from flax import nnx
 from models import fp8 as fp8_ops
 from sharding import constrain, tokens_split
 
+# The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
+# parallelism (`res_seq`), whole-sequence inside them.
+RESIDUAL = ("batch", "res_seq", "act_embed")
+
 
 def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
   """A parameter that carries its logical dim names as `out_sharding` metadata.

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Einsum
+from models.layers import RESIDUAL, Einsum
 from sharding import constrain, logical_all_gather_matmul, logical_matmul_reduce_scatter
 
-RESIDUAL = ("batch", "res_seq", "act_embed")
 HIDDEN = ("batch", "seq", "act_mlp")
 
 

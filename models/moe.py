@@ -58,7 +58,7 @@ class Router(nnx.Module):
     self.kind, self.k, self.scaling = m.router, m.experts_per_token, m.routed_scaling
 
   def __call__(self, x_BLD: jax.Array):
-    """Returns (ids [B, L, K] int32, weights [B, L, K] float32, stats of this layer)."""
+    """Returns (ids [B, L, k] int32, weights [B, L, k] float32, stats of this layer)."""
     logits = jnp.einsum("BLD,DE->BLE", x_BLD.astype(jnp.float32),
                         self.w[...].astype(jnp.float32))
     num_experts = logits.shape[-1]
@@ -128,24 +128,24 @@ def capacity(group_size: int, experts_per_token: int, num_experts: int, factor: 
   return max(1, min(group_size, math.ceil(group_size * experts_per_token * factor / num_experts)))
 
 
-def dispatch_masks(ids_BLK, weights_BLK, num_experts: int, slots: int):
+def dispatch_masks(ids_BLk, weights_BLk, num_experts: int, slots: int):
   """One-hot dispatch [B, L, E, C] and combine weights [B, L, E, C]; groups are the B rows.
 
   Slots are handed out first-choice first (all tokens' first choices in sequence order, then the
   second choices, ...), as in GShard; assignments past an expert's C slots are dropped.
   Returns (dispatch, combine, dropped assignments).
   """
-  b, l, k = ids_BLK.shape
-  chosen = jax.nn.one_hot(ids_BLK, num_experts, dtype=jnp.int32)  # [B, L, K, E]
+  b, l, k = ids_BLk.shape
+  chosen = jax.nn.one_hot(ids_BLk, num_experts, dtype=jnp.int32)  # [B, L, k, E]
   by_choice = chosen.transpose(0, 2, 1, 3).reshape(b, k * l, num_experts)
   position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(b, k, l, num_experts)
-  position = jnp.sum(position.transpose(0, 2, 1, 3) * chosen, axis=-1)  # [B, L, K]
+  position = jnp.sum(position.transpose(0, 2, 1, 3) * chosen, axis=-1)  # [B, L, k]
   kept = (position < slots).astype(jnp.float32)
-  slot = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept[..., None]  # [B, L, K, C]
+  slot = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept[..., None]  # [B, L, k, C]
   expert = chosen.astype(jnp.float32)
-  dispatch = jnp.einsum("BLKE,BLKC->BLEC", expert, slot)
-  combine = jnp.einsum("BLKE,BLKC,BLK->BLEC", expert, slot, weights_BLK)
-  return dispatch, combine, ids_BLK.size - jnp.sum(kept)
+  dispatch = jnp.einsum("BLkE,BLkC->BLEC", expert, slot)
+  combine = jnp.einsum("BLkE,BLkC,BLk->BLEC", expert, slot, weights_BLk)
+  return dispatch, combine, ids_BLk.size - jnp.sum(kept)
 
 
 class MoE(nnx.Module):

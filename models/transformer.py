@@ -1,28 +1,18 @@
 """The decoder: embedding, stacked and scanned dense and MoE layers with a remat policy, head."""
 
-import dataclasses
+import copy
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention
-from models.config import ModelConfig
-from models.layers import Einsum, Embed, RMSNorm
+from models.config import REMAT_POLICIES, ModelConfig
+from models.layers import RESIDUAL, Einsum, Embed, RMSNorm
 from models.mlp import MLP
 from models.moe import MoE, summarize
 from sharding import constrain
 
-RESIDUAL = ("batch", "res_seq", "act_embed")  # sequence-sharded under sequence parallelism
-
-# Remat policies by name, applied to one layer's body. "selective" keeps the projection matmul
-# outputs (dots without batch dims) and recomputes the rest, notably the attention scores and
-# softmax, whose einsums carry batch dims.
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 class DecoderBlock(nnx.Module):
@@ -88,19 +78,8 @@ class Transformer(nnx.Module):
     self.head = None if cfg.tie_embeddings else Einsum(
         (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,), rngs=rngs,
         fp8=cfg.fp8 if cfg.fp8.applies_to("head") else None, **kw)
-    self.num_layers = cfg.num_layers
-    self.remat = cfg.remat
-    self.scan_layers = cfg.scan_layers
-    # Static, read by the train step: whether the loss takes logits or hidden states + head.
-    self.loss_impl = cfg.loss_impl
-    self.loss_chunk_size = cfg.loss_chunk_size
-    # Static, read by the train step: the MoE loss weights and the balancing-bias rate.
-    self.has_moe = cfg.moe is not None
-    self.moe_loss_weights = (cfg.moe.load_balance_loss, cfg.moe.router_z_loss) \
-        if cfg.moe else (0.0, 0.0)
-    self.moe_bias_rate = cfg.moe.bias_update_rate if cfg.moe else 0.0
-    # Static and hashable: the MoEConfig's fields (Hugging Face export reads them back).
-    self.moe_fields = tuple(dataclasses.asdict(cfg.moe).items()) if cfg.moe else None
+    # Static (in the graph definition): the config this model was built from, a private copy.
+    self.config = copy.deepcopy(cfg)
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
     """Returns logits [B, L, V] in the compute dtype; with return_aux, (logits, aux).
@@ -165,10 +144,11 @@ class Transformer(nnx.Module):
       out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL)
       return out if isinstance(out, tuple) else (out, None)
 
-    if REMAT_POLICIES[self.remat] is not None:
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat],
-                            prevent_cse=not self.scan_layers)
-    if self.scan_layers:
+    policy = REMAT_POLICIES[self.config.remat]
+    if policy is not None:
+      body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy),
+                            prevent_cse=not self.config.scan_layers)
+    if self.config.scan_layers:
       return jax.lax.scan(body, x, stacked)
     ys = []  # unrolled: the same body and weights, for debugging
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):

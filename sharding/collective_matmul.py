@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from sharding.context import _CURRENT, spec
+from sharding.context import active, current, spec
 from sharding.mesh import LayoutError
 
 Names = Sequence[str | None]
@@ -120,7 +120,7 @@ def _collective_axis(wide: tuple, narrow: tuple, what: str) -> str | None:
 
 def _logical(x, w, x_names, out_names, contract, kind, what):
   """Specs, collective axis and dim for a collective matmul in the current context."""
-  ctx = _CURRENT.get()
+  ctx = current()
   out_shape = x.shape[:-contract] + w.shape[contract:]
   x_spec = spec(x_names, x.shape, f"{what} input")
   out_spec = spec(out_names, out_shape, f"{what} output")
@@ -152,7 +152,7 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _run(kind: str, x, w, x_names, out_names, contract, what):
-  if _CURRENT.get() is None:
+  if active() is None:
     return _dot(x, w, contract)
   mesh, x_spec, w_spec, out_spec, found = _logical(x, w, x_names, out_names, contract, kind,
                                                    what)

@@ -48,6 +48,21 @@ def record_constraints():
     _CURRENT.reset(token)
 
 
+def active() -> _Context | None:
+  """The open sharding context, or None outside every `use_rules`."""
+  return _CURRENT.get()
+
+
+def axes_of(name: str) -> tuple[str, ...]:
+  """The mesh axes (size > 1) that split logical dim `name` in the current context, less those
+  an enclosing vmap has taken (`excluding`); () outside a context."""
+  ctx = _CURRENT.get()
+  if ctx is None:
+    return ()
+  sizes = mesh_sizes(ctx.mesh)
+  return tuple(a for a in dict(ctx.rules).get(name, ()) if sizes[a] > 1 and a not in ctx.excluded)
+
+
 def gradient_replica_axes() -> tuple[tuple[str, ...], int]:
   """(axes, size) over which gradients are plain replicas: `data` unless ZeRO >= 2 shards the
   gradients over it. Accumulating per-replica partial sums over microbatches and reducing them
@@ -61,8 +76,7 @@ def gradient_replica_axes() -> tuple[tuple[str, ...], int]:
   # Context parallelism runs collectives inside shard_map; under the replicas' vmap
   # (spmd_axis_name) their transposes fail JAX 0.10's varying-axes check, so with the sequence
   # split the gradients are reduced per microbatch instead (costlier, equally exact).
-  seq_split = any(sizes[a] > 1 for a in dict(ctx.rules).get("seq", ()))
-  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"] or seq_split:
+  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"] or axes_of("seq"):
     return (), 1
   return ("data",), size
 

@@ -7,23 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding.context import _CURRENT, constrain, mesh_sizes, spec
-
-
-def _splitting_axes(name: str) -> tuple[str, ...]:
-  """Mesh axes (size > 1) that split the logical dim `name` in the current context; () without
-  one."""
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return ()
-  sizes = mesh_sizes(ctx.mesh)
-  return tuple(a for a in dict(ctx.rules).get(name, ()) if sizes[a] > 1
-               and a not in ctx.excluded)
+from sharding.context import axes_of, constrain, current, mesh_sizes, spec
 
 
 def sequence_axes() -> tuple[str, ...]:
   """Mesh axes (size > 1) that split the `seq` dim in the current context; () without one."""
-  return _splitting_axes("seq")
+  return axes_of("seq")
 
 
 def tokens_split() -> bool:
@@ -31,7 +20,7 @@ def tokens_split() -> bool:
   `seq` under context parallelism, `res_seq` also under sequence parallelism. When none does,
   each device holds whole sequences, so [B, L, ...] activations are [B·L, ...] token rows
   without moving data (models/layers.Einsum uses that)."""
-  return bool(_splitting_axes("seq") or _splitting_axes("res_seq"))
+  return bool(axes_of("seq") or axes_of("res_seq"))
 
 
 def zigzag_permutation(length: int, parts: int) -> np.ndarray:
@@ -52,7 +41,7 @@ def zigzag(batch: dict) -> dict:
   axes = sequence_axes()
   if not axes:
     return batch
-  parts = int(np.prod([mesh_sizes(_CURRENT.get().mesh)[a] for a in axes]))
+  parts = int(np.prod([mesh_sizes(current().mesh)[a] for a in axes]))
   order = zigzag_permutation(next(iter(batch.values())).shape[1], parts)
   return {k: constrain(jnp.take(v, order, axis=1), ("batch", "seq")) for k, v in batch.items()}
 
@@ -78,7 +67,7 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *,
   def per_device(q, k, v, positions, segment_ids):
     return kernel(q, k, v, positions, segment_ids, axis_name=axes[0] if len(axes) == 1 else axes)
 
-  mapped = jax.shard_map(per_device, mesh=_CURRENT.get().mesh,
+  mapped = jax.shard_map(per_device, mesh=current().mesh,
                          in_specs=(q_spec, kv_spec, kv_spec, token_spec, token_spec),
                          out_specs=q_spec)
   return mapped(q, k, v, positions, segment_ids)

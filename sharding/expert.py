@@ -7,16 +7,16 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from sharding.context import _CURRENT, mesh_sizes, spec
+from sharding.context import active, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 Names = tuple[str | None, ...]
-TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, K]
+TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
 EXCHANGES = ("auto", "padded", "ragged")
 
 
-def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
-                     weights_BLK: jax.Array, params: Sequence[jax.Array],
+def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
+                     weights_BLk: jax.Array, params: Sequence[jax.Array],
                      param_names: Sequence[Names], *, num_experts: int,
                      partial_over: str | None = None, exchange: str = "auto") -> jax.Array:
   """y[t] = sum_k weights[t, k] * expert_fn_{ids[t, k]}(x[t]): every assignment computed.
@@ -34,8 +34,8 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
     expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params) -> [A, D]; rows are
       grouped by local expert in order, rows past sum(group_sizes) are padding (ignored).
     x_BLD: tokens.
-    ids_BLK: int expert of each of the K assignments of a token.
-    weights_BLK: mixing weight of each assignment.
+    ids_BLk: int expert of each of the k assignments (top-k slots) of a token.
+    weights_BLk: mixing weight of each assignment.
     params: expert weights, each with the experts as its first dim.
     param_names: logical names of each param (its first must be the experts' name).
     num_experts: E.
@@ -46,10 +46,10 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
   """
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
-  ctx = _CURRENT.get()
+  ctx = active()
   static = dict(expert_fn=expert_fn, num_experts=num_experts)
   if ctx is None:
-    return _per_device(x_BLD, ids_BLK, weights_BLK, *params, expert_axes=(), partial_axes=(),
+    return _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_axes=(), partial_axes=(),
                        exchange="padded", **static)
 
   def keep(names):  # the experts dim and the partial dims keep their axes; the rest is gathered
@@ -69,7 +69,7 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
   if exchange == "auto":
     exchange = "padded" if ctx.mesh.devices.flat[0].platform == "cpu" else "ragged"
   token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
-  choice_spec = spec(TOKEN_NAMES, ids_BLK.shape, "moe expert choices")
+  choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
 
   def body(x, ids, weights, *local_params):
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
@@ -78,7 +78,7 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLK: jax.Array,
   mapped = jax.shard_map(body, mesh=ctx.mesh,
                          in_specs=(token_spec, choice_spec, choice_spec, *param_specs),
                          out_specs=token_spec)
-  return mapped(x_BLD, ids_BLK, weights_BLK, *params)
+  return mapped(x_BLD, ids_BLk, weights_BLk, *params)
 
 
 @jax.custom_vjp
@@ -107,13 +107,13 @@ def _axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _per_device(x_BLD, ids_BLK, weights_BLK, *params, expert_fn, num_experts, expert_axes,
+def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,
                 partial_axes, exchange):
   """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
   b, l, d = x_BLD.shape
-  k = ids_BLK.shape[-1]
+  k = ids_BLk.shape[-1]
   tokens, assignments = b * l, b * l * k
-  expert = ids_BLK.reshape(assignments).astype(jnp.int32)
+  expert = ids_BLk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
   x_sorted = x_BLD.reshape(tokens, d)[order // k]
   counts = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
@@ -125,7 +125,7 @@ def _per_device(x_BLD, ids_BLK, weights_BLK, *params, expert_fn, num_experts, ex
     y_sorted = exchange_fn(x_sorted, counts, params, expert_fn, expert_axes,
                            capacity=tokens * min(k, num_experts // _size(expert_axes)))
   y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(tokens, k, d)
-  y = jnp.sum(y * weights_BLK.reshape(tokens, k, 1).astype(y.dtype), axis=1)
+  y = jnp.sum(y * weights_BLk.reshape(tokens, k, 1).astype(y.dtype), axis=1)
   if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
     y = jax.lax.psum(y, partial_axes)
   return y.reshape(b, l, d).astype(x_BLD.dtype)

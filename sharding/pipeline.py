@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding import schedules as sched
-from sharding.context import _CURRENT, excluding, mesh_sizes
+from sharding.context import active, axes_of, current, excluding, mesh_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +31,12 @@ class StageFns:
 
 def pipeline_axes() -> tuple[str, ...]:
   """Mesh axes (size > 1) splitting the `layers` dim: the pipeline stages; () without them."""
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return ()
-  sizes = mesh_sizes(ctx.mesh)
-  return tuple(a for a in dict(ctx.rules).get("layers", ()) if sizes[a] > 1)
+  return axes_of("layers")
 
 
 def pipeline_stages() -> int:
   """How many pipeline stages the current layout has (1: no pipeline parallelism)."""
-  ctx = _CURRENT.get()
+  ctx = active()
   return 1 if ctx is None else math.prod(mesh_sizes(ctx.mesh)[a] for a in pipeline_axes())
 
 
@@ -85,7 +81,7 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
 
   specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
-      per_device, mesh=_CURRENT.get().mesh, axis_names={axis},
+      per_device, mesh=current().mesh, axis_names={axis},
       in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
                 specs(data, PartitionSpec())),
       out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),

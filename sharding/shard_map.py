@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from sharding.context import _CURRENT, mesh_sizes, spec
+from sharding.context import active, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 Names = tuple[str | None, ...]
@@ -38,7 +38,7 @@ def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names:
     A function with `fn`'s signature.
   """
   def wrapped(*args):
-    ctx = _CURRENT.get()
+    ctx = active()
     if ctx is None:
       return fn(*args)
     if len(args) != len(in_names):

@@ -10,6 +10,7 @@ from models import ModelConfig
 from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
 from trainer.loop import Trainer
+from trainer.state import make_init_fn, state_shardings
 from trainer.step import make_grads_fn
 
 # Every dim divides every mesh size up to 8: heads 16 / kv heads 8 (GQA), embed 32, mlp 64,
@@ -65,7 +66,7 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
   cfg = config(mesh_cfg, **kw)
   trainer = Trainer(cfg, devices)
   trainer.init_state()
-  grads_fn = make_grads_fn(trainer.graphdef, trainer.names, microbatches=cfg.microbatches)
+  grads_fn = make_grads_fn(trainer.graphdef, trainer.names, cfg.step())
   with trainer.context():
     # One compile for the step and the gradients it applies (XLA shares the computation).
     step_and_grads = jax.jit(lambda state, batch: (*trainer.step_fn(state, batch),
@@ -86,3 +87,11 @@ def compile_step(mesh_cfg: sharding.MeshConfig, **kw):
   trainer = Trainer(config(mesh_cfg, **kw))
   with trainer.context():
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+
+
+def sharded_state(model_cfg: ModelConfig, tx, names, seed: int = 0):
+  """(train state initialized directly into its shardings, the shardings) in the current sharding
+  context, as a Trainer does, for tests that drive the step functions themselves."""
+  init = make_init_fn(model_cfg, tx, seed)
+  shardings = state_shardings(jax.eval_shape(init), names, tx)
+  return jax.jit(init, out_shardings=shardings)(), shardings

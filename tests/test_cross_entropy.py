@@ -15,6 +15,7 @@ from models import ModelConfig, abstract_model, param_names
 from models.builder import init_params
 from sharding.xla import hlo
 from trainer import loss
+from trainer.config import StepConfig
 from trainer.step import make_grads_fn
 
 TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -72,7 +73,8 @@ def test_model_with_chunked_loss_gives_the_dense_gradients(tied):
   results = []
   for cfg in (dense_cfg, chunked_cfg):
     graphdef, _ = abstract_model(cfg)
-    results.append(jax.jit(make_grads_fn(graphdef, param_names(cfg), z_loss=1e-4))(params, batch))
+    step_cfg = StepConfig.for_model(cfg, z_loss=1e-4)
+    results.append(jax.jit(make_grads_fn(graphdef, param_names(cfg), step_cfg))(params, batch))
   (dense_grads, dense_stats), (chunked_grads, chunked_stats) = results
   for key in dense_stats:
     np.testing.assert_allclose(chunked_stats[key], dense_stats[key], rtol=1e-6)

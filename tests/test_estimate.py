@@ -13,7 +13,8 @@ import pytest
 from configs.llama import MODELS
 from models.config import ModelConfig
 from sharding.plan import hardware
-from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM, Layout,
+from sharding.layout import Layout
+from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM,
                                ModelSpec, activation_terms, layer_activation_bytes, memory,
                                model_spec, param_counts, state_bytes, trainer_precision)
 from sharding.schedules import bubble_ratio, in_flight_microbatches, table_if_valid
@@ -51,9 +52,9 @@ def test_mixed_precision_state_and_zero_stages_by_hand():
   assert (params, grads, opt) == (2 * 7888, 2 * 7888, 12 * 7888)
   # ZeRO-1 over dp=4: optimizer 12 x (7808/4 + 80) = 24384; ZeRO-2 also grads 2 x 2032 = 4064;
   # ZeRO-3 also params.
-  assert state_bytes(7808, 80, Layout(dp=4, zero=1), PLAYBOOK_MIXED) == (15776, 15776, 24384)
-  assert state_bytes(7808, 80, Layout(dp=4, zero=2), PLAYBOOK_MIXED) == (15776, 4064, 24384)
-  assert state_bytes(7808, 80, Layout(dp=4, zero=3), PLAYBOOK_MIXED) == (4064, 4064, 24384)
+  assert state_bytes(7808, 80, Layout(data=4, zero_stage=1), PLAYBOOK_MIXED) == (15776, 15776, 24384)
+  assert state_bytes(7808, 80, Layout(data=4, zero_stage=2), PLAYBOOK_MIXED) == (15776, 4064, 24384)
+  assert state_bytes(7808, 80, Layout(data=4, zero_stage=3), PLAYBOOK_MIXED) == (4064, 4064, 24384)
   # fsdp=4 is ZeRO-3 on its own axis.
   assert state_bytes(7808, 80, Layout(fsdp=4), PLAYBOOK_MIXED) == (4064, 4064, 24384)
   # fp32 gradient accumulation adds 4 bytes to the gradient term: 2 + 4 per parameter.
@@ -64,21 +65,21 @@ def test_trainer_precision_is_what_the_trainer_stores():
   """float32 params, grads and AdamW moments, no master; an accumulator only with ga > 1."""
   pr = trainer_precision("bfloat16", "float32")
   assert state_bytes(7808, 80, Layout(), pr) == (4 * 7888, 4 * 7888, 8 * 7888)
-  assert state_bytes(7808, 80, Layout(ga=4), pr)[1] == 8 * 7888
+  assert state_bytes(7808, 80, Layout(microbatches=4), pr)[1] == 8 * 7888
   assert pr.act_bytes == 2
 
 
 def test_tensor_and_pipeline_split_the_parameters():
   # TP=2: matrices and vocab halve, norms stay: 2 x (4608/2 + 3200/2 + 80) = 7968.
-  assert memory(SMALL, Layout(tp=2), SEQ, PLAYBOOK_MIXED).params == 7968
+  assert memory(SMALL, Layout(tensor=2), SEQ, PLAYBOOK_MIXED).params == 7968
   # PP=2 (untied): one layer and one table per stage, its norms + the final norm:
   # 2 x (2304 + 1600 + 32 + 16) = 7904.
-  assert memory(SMALL, Layout(pp=2, ga=2), SEQ, PLAYBOOK_MIXED).params == 7904
+  assert memory(SMALL, Layout(pipeline=2, microbatches=2), SEQ, PLAYBOOK_MIXED).params == 7904
 
 
 def playbook_activations(layout, remat="none"):
   terms = activation_terms(SMALL, 2, "playbook")
-  return layer_activation_bytes(terms, layout.mbs * SEQ / layout.cp, SEQ, layout, remat)
+  return layer_activation_bytes(terms, layout.micro_batch * SEQ / layout.context, SEQ, layout, remat)
 
 
 def test_activation_formulas_of_the_playbook_by_hand():
@@ -89,15 +90,15 @@ def test_activation_formulas_of_the_playbook_by_hand():
   full = memory(SMALL, Layout(), SEQ, PLAYBOOK_MIXED, formula="playbook", workspace_bytes=0)
   assert full.activations == 2 * 5632  # L = 2
   # TP without SP: sbh (10 + 24/t + 5as/(ht)) = 128 x 27.
-  assert playbook_activations(Layout(tp=2)) == 128 * (10 + 24 / 2 + 5 * 4 * 8 / (16 * 2))
+  assert playbook_activations(Layout(tensor=2)) == 128 * (10 + 24 / 2 + 5 * 4 * 8 / (16 * 2))
   # TP with SP: sbh/t (34 + 5as/h): everything split.
-  assert playbook_activations(Layout(tp=2, sp=True)) == 128 / 2 * 44 == 5632 / 2
+  assert playbook_activations(Layout(tensor=2, sequence_parallel=True)) == 128 / 2 * 44 == 5632 / 2
   # Selective recomputation drops the 5as/h term: 34 sbh/t with SP.
-  assert playbook_activations(Layout(tp=2, sp=True), "selective") == 34 * 128 / 2
+  assert playbook_activations(Layout(tensor=2, sequence_parallel=True), "selective") == 34 * 128 / 2
   # Full recomputation keeps the layer input: 2sbh.
   assert playbook_activations(Layout(), "full") == 2 * 128
   # CP halves the tokens per device (each still attends the whole sequence).
-  assert playbook_activations(Layout(cp=2)) == 5632 / 2
+  assert playbook_activations(Layout(context=2)) == 5632 / 2
 
 
 def test_our_llama_activation_terms_by_hand():
@@ -159,10 +160,10 @@ def test_communication_volumes_by_hand():
                if phase in (None, c.phase))
   psi = 2 * 7888  # bf16 gradient (= parameter) bytes
   # DP: one all-reduce, 2 (n-1)/n Psi. ZeRO-1: reduce-scatter + all-gather, the same 2 Psi.
-  assert wire(Layout(dp=4, ga=4)) == pytest.approx(2 * 3 / 4 * psi)
-  assert wire(Layout(dp=4, zero=1)) == pytest.approx(2 * 3 / 4 * psi)
+  assert wire(Layout(data=4, microbatches=4)) == pytest.approx(2 * 3 / 4 * psi)
+  assert wire(Layout(data=4, zero_stage=1)) == pytest.approx(2 * 3 / 4 * psi)
   # ZeRO-2 with accumulation reduce-scatters every microbatch.
-  assert wire(Layout(dp=4, zero=2, ga=4), "grad_sync") == pytest.approx(4 * 3 / 4 * psi)
+  assert wire(Layout(data=4, zero_stage=2, microbatches=4), "grad_sync") == pytest.approx(4 * 3 / 4 * psi)
   # ZeRO-3: layers gathered forward and backward, the head once (3200 B) and the norm scales
   # (160 B), gradients reduce-scattered except the embedding table's (3200 B): its lookup moves
   # token rows, an all-to-all each way of b s h = 8 x 16 x 2 bytes.
@@ -171,7 +172,7 @@ def test_communication_volumes_by_hand():
   # ZeRO-3 over data=2 x fsdp=4: the same over 8 devices, plus the table's data shards
   # (100 x 16 / 4 x 2 bytes) gathered and reduce-scattered over data and two permutes of half a
   # shard (as compiled: tests/test_layout_programs.py).
-  assert wire(Layout(dp=2, fsdp=4, zero=3)) == pytest.approx(
+  assert wire(Layout(data=2, fsdp=4, zero_stage=3)) == pytest.approx(
       7 / 8 * (2 * 9216 + 3360 + psi - 3200) + 3 / 4 * 2 * 256 + 1 / 2 * 2 * 800 + 2 * 400)
   # The vocab split over fsdp: neither table is gathered or reduced; the group's hidden states
   # and embedding rows (4 x 8 tokens x 16 x 2 bytes) are gathered, and their gradients
@@ -179,13 +180,13 @@ def test_communication_volumes_by_hand():
   assert wire(Layout(fsdp=4, vocab_over_fsdp="on")) == pytest.approx(
       3 / 4 * (2 * 9216 + 160 + psi - 2 * 3200 + 2 * 256 + 4 * 1024))
   # TP: b s h = 8 x 16 x 2 bytes; 4 all-reduces per layer + 2 (embedding, head).
-  assert wire(Layout(tp=2)) == pytest.approx((2 * 4 + 2) * 256 * 2 * 1 / 2)
+  assert wire(Layout(tensor=2)) == pytest.approx((2 * 4 + 2) * 256 * 2 * 1 / 2)
   # SP: 6 all-gathers + 4 reduce-scatters per layer (+2 and +1 outside the layers).
-  assert wire(Layout(tp=2, sp=True)) == pytest.approx((2 * 6 + 2 + 2 * 4 + 1) * 256 / 2)
+  assert wire(Layout(tensor=2, sequence_parallel=True)) == pytest.approx((2 * 6 + 2 + 2 * 4 + 1) * 256 / 2)
   # PP: activations forward and gradients backward, per microbatch.
-  assert wire(Layout(pp=2, ga=4)) == 2 * 4 * 256
+  assert wire(Layout(pipeline=2, microbatches=4)) == 2 * 4 * 256
   # CP ring: K and V blocks (2 x 4 tokens x K Dh x 2 bytes) passed (cp-1) times, 3 ways, per layer.
-  assert wire(Layout(cp=2)) - wire(Layout(cp=2), "grad_sync") == 3 * 2 * (2 * 4 * 8 * 2)
+  assert wire(Layout(context=2)) - wire(Layout(context=2), "grad_sync") == 3 * 2 * (2 * 4 * 8 * 2)
 
 
 def test_zero3_sends_3_psi_against_2_psi_for_zero2():
@@ -199,7 +200,7 @@ def test_zero3_sends_3_psi_against_2_psi_for_zero2():
   def wire(layout):
     return sum(c.wire_bytes for c in hardware.collectives(model, layout, 4096, PLAYBOOK_MIXED))
   psi, table = model.num_params(), model.vocab_size * model.embed_dim
-  ratio = wire(Layout(fsdp=8, vocab_over_fsdp="off")) / wire(Layout(dp=8, zero=2))
+  ratio = wire(Layout(fsdp=8, vocab_over_fsdp="off")) / wire(Layout(data=8, zero_stage=2))
   assert ratio == pytest.approx((3 * psi - 4 * table) / (2 * psi), rel=0.01)
   assert ratio == pytest.approx(1.5, rel=0.12)
 
@@ -222,7 +223,7 @@ def test_playbook_table_of_model_state_memory(billions, without, with_fp32):
 def test_zero_paper_figure_reproduced_in_the_playbook():
   """ZeRO (arXiv:1910.02054) Figure 1, the playbook's zero_memory figure: Psi = 7.5B, N_d = 64,
   K = 12: baseline 120 GB, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB per device."""
-  totals = [sum(state_bytes(7.5e9, 0, Layout(dp=64, zero=z), PLAYBOOK_MIXED)) / GB
+  totals = [sum(state_bytes(7.5e9, 0, Layout(data=64, zero_stage=z), PLAYBOOK_MIXED)) / GB
             for z in range(4)]
   assert totals == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
 
@@ -261,7 +262,7 @@ def test_pipeline_keeps_the_first_stage_activations_and_sp_divides_them():
   microbatches of L/p layers); SP: the activations per device become b s h / tp."""
   model = MODELS["playbook_8b"]
   none = memory(model, Layout(), 4096, PLAYBOOK_MIXED, formula="playbook").activations
-  pp = memory(model, Layout(pp=4, ga=8), 4096, PLAYBOOK_MIXED, formula="playbook").activations
+  pp = memory(model, Layout(pipeline=4, microbatches=8), 4096, PLAYBOOK_MIXED, formula="playbook").activations
   assert pp == none
-  sp = memory(model, Layout(tp=8, sp=True), 4096, PLAYBOOK_MIXED, formula="playbook")
+  sp = memory(model, Layout(tensor=8, sequence_parallel=True), 4096, PLAYBOOK_MIXED, formula="playbook")
   assert sp.activations == none / 8

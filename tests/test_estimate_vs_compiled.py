@@ -21,7 +21,6 @@ import pytest
 from sharding import MeshConfig
 from sharding.plan import estimate
 from tests import parallel_harness as harness
-from trainer.plan_cli import layout_from_config
 
 PRECISION = estimate.trainer_precision("float32", "float32")
 CASES = {  # name: (mesh sizes and switches, remat)
@@ -41,7 +40,7 @@ def measured(name):
   mesh = MeshConfig(**{"data": 1, **mesh_kw})
   stats = harness.compile_step(mesh, remat=remat).memory_analysis()
   cfg = harness.config(mesh, remat=remat)
-  layout = layout_from_config(cfg, 8)
+  layout = cfg.layout(8)
   return stats, estimate.memory(cfg.model, layout, cfg.seq_len, PRECISION, workspace_bytes=0), \
       layout
 

@@ -72,7 +72,7 @@ def test_import_export_parity(tmp_path, case):
   reference = hf_llama(tmp_path / "hf", **CASES[case])
   expected = hf_logits(reference)
   model = hf.from_pretrained(str(tmp_path / "hf"))
-  cfg = hf.config_of(model)
+  cfg = model.config
   assert (cfg.num_kv_heads, cfg.tie_embeddings) == (CASES[case]["kv_heads"], CASES[case]["tied"])
   assert cfg.rope_scaling_factor == (8.0 if "llama3" in case else 1.0)
   diff = np.abs(np.asarray(model(TOKENS)) - expected).max()
@@ -113,7 +113,7 @@ def test_mixtral_import_export_parity(tmp_path, tied):
   reference = hf_mixtral(tmp_path / "hf", tied=tied)
   expected = hf_logits(reference)
   model = hf.from_pretrained(str(tmp_path / "hf"))
-  cfg = hf.config_of(model)
+  cfg = model.config
   assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.experts_per_token) == (4, 2)
   assert model.layers is None and cfg.tie_embeddings == tied
   diff = np.abs(np.asarray(model(TOKENS)) - expected).max()

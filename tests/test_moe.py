@@ -18,9 +18,10 @@ from models import ModelConfig, abstract_model, param_names
 from models.config import MoEConfig
 from models.moe import MoE, Router, capacity, dispatch_masks, update_bias
 from sharding.plan.estimate import model_spec
-from trainer.config import OptimConfig
+from trainer.config import OptimConfig, StepConfig
 from trainer.optim import frozen_mask, make_optimizer
-from trainer.state import create_state, make_init_fn
+from tests.parallel_harness import sharded_state
+from trainer.state import make_init_fn
 from trainer.step import make_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,8 +165,9 @@ def test_train_step_updates_bias_and_reports_moe_metrics():
            "segment_ids": np.ones((4, 16), np.int32), "loss_mask": np.ones((4, 16), np.float32)}
   with sharding.use_rules(mesh):
     graphdef, _ = abstract_model(cfg)
-    state, _ = create_state(cfg, tx, names, seed=0)
-    new_state, metrics = jax.jit(make_train_step(graphdef, names, tx, lr))(state, batch)
+    state, _ = sharded_state(cfg, tx, names, seed=0)
+    new_state, metrics = jax.jit(make_train_step(graphdef, names, tx, lr,
+                                                 StepConfig.for_model(cfg)))(state, batch)
   delta = np.asarray(new_state.params["moe_layers"]["moe"]["router"]["bias"]
                      - state.params["moe_layers"]["moe"]["router"]["bias"])
   assert set(np.round(np.unique(delta) / 0.05).astype(int)) <= {-1, 0, 1} and delta.any()
@@ -174,7 +176,8 @@ def test_train_step_updates_bias_and_reports_moe_metrics():
   assert float(metrics["moe_load_min"]) <= 1.0 <= float(metrics["moe_load_max"])
   assert float(metrics["moe_aux_loss"]) >= 1.0 - 1e-6  # its minimum is 1 (uniform)
   tx = optax.sgd(0.1)
-  dense_step = make_train_step(abstract_model(BASE)[0], param_names(BASE), tx, lambda s: 0.1)
+  dense_step = make_train_step(abstract_model(BASE)[0], param_names(BASE), tx, lambda s: 0.1,
+                               StepConfig.for_model(BASE))
   _, dense_metrics = jax.eval_shape(dense_step, jax.eval_shape(make_init_fn(BASE, tx, 0)), batch)
   assert not any(k.startswith("moe") for k in dense_metrics)
 

@@ -17,6 +17,7 @@ import pytest
 from models import param_names
 from models.builder import init_params
 from sharding import MeshConfig
+from sharding.layout import Layout
 from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
@@ -104,8 +105,8 @@ def test_muon_under_fsdp8_equals_one_device(monkeypatch):
 def test_newton_schulz_cost_model():
   """FLOPs per device divide by the matrix shards; each iteration all-reduces the m x m Gram."""
   model = harness.MODEL
-  one = optimizer_cost.muon_newton_schulz(model, estimate.Layout())
-  fsdp = optimizer_cost.muon_newton_schulz(model, estimate.Layout(fsdp=8))
+  one = optimizer_cost.muon_newton_schulz(model, Layout())
+  fsdp = optimizer_cost.muon_newton_schulz(model, Layout(fsdp=8))
   assert one.wire_bytes == 0 and fsdp.flops == pytest.approx(one.flops / 8)
   d, f = model.embed_dim, model.mlp_dim  # gate: 32 x 64 -> m = 32
   per_gate = 5 * (4 * d * d * f + 2 * d**3)

@@ -12,43 +12,49 @@ import pytest
 
 from configs.llama import MODELS
 from sharding.plan import estimate, hardware, planner
-from sharding.plan.estimate import PLAYBOOK_MIXED, Layout
+from sharding.layout import Layout, parse
+from sharding.mesh import LayoutError
+from sharding.plan.estimate import PLAYBOOK_MIXED
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = hardware.PROFILES["h100"]
 
 
 def test_the_interface_layout_string_parses_and_round_trips():
-  text = "dp=4,tp=2,pp=2,cp=1,ep=1,zero=1,mbs=4,ga=16,remat=selective,sp=1,schedule=1f1b"
-  layout = planner.parse_layout(text)
-  assert layout == Layout(dp=4, tp=2, pp=2, zero=1, mbs=4, ga=16, remat="selective", sp=True)
-  assert layout.string() == text and planner.parse_layout(layout.string()) == layout
+  """Layout strings speak the mesh's axis names; the playbook's dp/tp/pp/cp/ep are input
+  aliases."""
+  text = "data=4,pipeline=2,tensor=2,zero=1,mbs=4,ga=16,remat=selective,sp=1,schedule=1f1b"
+  layout = parse(text)
+  assert layout == Layout(data=4, tensor=2, pipeline=2, zero_stage=1, micro_batch=4,
+                          microbatches=16, remat="selective", sequence_parallel=True)
+  assert layout.string() == text and parse(layout.string()) == layout
+  assert parse("dp=4,tp=2,pp=2,cp=1,ep=1,zero=1,mbs=4,ga=16,remat=selective,sp=1") == layout
   assert (layout.num_devices, layout.global_batch) == (16, 4 * 16 * 4)
-  assert planner.parse_layout("fsdp=8,mbs=2").fsdp == 8
+  assert parse("fsdp=8,mbs=2").fsdp == 8
 
 
 @pytest.mark.parametrize("text, message", [
     ("dp=x", "dp='x' must be a positive integer"),
-    ("dp=4,foo=2", "unknown layout key 'foo'"),
+    ("data=4,foo=2", "unknown layout key 'foo'"),
     ("tp", "'tp' must look like key=value"),
     ("remat=some", "remat='some' is not one of none, selective, full"),
-    ("dp=2,sp=1", "sp=1 needs tp > 1"),
-    ("pp=2,vpp=2", "vpp=2 needs schedule=interleaved_1f1b"),
-    ("zero=4", "zero=4 must be 0, 1, 2 or 3"),
+    ("data=2,sp=1", "sequence parallelism needs tensor > 1"),
+    ("pipeline=2,vpp=2", "virtual_stages=2 needs the interleaved_1f1b pipeline schedule"),
+    ("zero=4", "zero stage 4 must be 0, 1, 2 or 3"),
 ])
 def test_malformed_layouts_are_one_line_errors(text, message):
-  with pytest.raises(planner.LayoutSpecError, match=message.replace("(", r"\(")):
-    planner.parse_layout(text)
+  with pytest.raises(LayoutError, match=message.replace("(", r"\(")):
+    parse(text)
 
 
 def test_divisibility_is_checked_and_explained():
   model = estimate.model_spec(MODELS["llama3_70b"])
-  assert planner.divisibility_errors(model, Layout(tp=8, pp=4), 4096) == []
-  errors = planner.divisibility_errors(model, Layout(tp=16, pp=32), 4096)
-  assert "kv heads 8 not divisible by tp=16" in errors
-  assert "80 layers not divisible by pp=32 x vpp=1" in errors
-  assert planner.divisibility_errors(model, Layout(cp=3), 4096) == [
-      "seq 4096 not divisible by 6 (2 x cp, x tp under sp)"]
+  assert planner.divisibility_errors(model, Layout(tensor=8, pipeline=4), 4096) == []
+  errors = planner.divisibility_errors(model, Layout(tensor=16, pipeline=32), 4096)
+  assert "kv heads 8 not divisible by tensor=16" in errors
+  assert "80 layers not divisible by pipeline=32 x virtual stages 1" in errors
+  assert planner.divisibility_errors(model, Layout(context=3), 4096) == [
+      "seq 4096 not divisible by 6 (2 x context, x tensor under sequence parallelism)"]
 
 
 def test_plan_ranks_fitting_layouts_and_explains_every_rejection():
@@ -73,7 +79,7 @@ def test_plan_ranks_fitting_layouts_and_explains_every_rejection():
 def test_plan_of_a_moe_uses_expert_parallelism():
   result = planner.plan(estimate.ESTIMATOR_MODELS["mixtral_8x7b"], 64, 4096, 2**20,
                         PLAYBOOK_MIXED, H100)
-  assert any(c.layout.ep > 1 for c in result.ranked)
+  assert any(c.layout.expert > 1 for c in result.ranked)
   assert estimate.ESTIMATOR_MODELS["mixtral_8x7b"].num_params() == pytest.approx(46.7e9, rel=0.01)
 
 
@@ -142,7 +148,8 @@ def measured_rows():
   rows = [r.split() for r in MEASURED.replace("\n", "|").split("|") if r.strip()]
   out = []
   for name, dp, tp, pp, ga, mbs, zero, tokens in rows:
-    layout = Layout(dp=int(dp), tp=int(tp), pp=int(pp), ga=int(ga), mbs=int(mbs), zero=int(zero))
+    layout = Layout(data=int(dp), tensor=int(tp), pipeline=int(pp), microbatches=int(ga),
+                    micro_batch=int(mbs), zero_stage=int(zero))
     out.append((f"playbook_{name}", layout, float(tokens)))
   return out
 
@@ -234,13 +241,14 @@ def test_plan_json_is_a_ranked_list_and_writes_a_config(tmp_path):
   assert speeds == sorted(speeds, reverse=True)
   text = out.read_text()
   assert "def get_config" in text and ranked[0]["layout"] in text
+  assert ranked[0]["layout"].startswith("data=")  # the mesh's axis names, not dp/tp/pp
 
 
 @pytest.mark.parametrize("args, message", [
     (["memory", "--model=gpt5", "--layout=dp=8"], "unknown model 'gpt5'"),
     (["memory", "--model=llama3_8b", "--layout=dp=8,tp"], "layout item 'tp'"),
     (["plan", "--model=llama3_8b", "--gpu=tpu"], "unknown gpu 'tpu'"),
-    (["memory", "--model=llama3_8b", "--layout=tp=16"], "kv heads 8 not divisible by tp=16"),
+    (["memory", "--model=llama3_8b", "--layout=tp=16"], "kv heads 8 not divisible by tensor=16"),
 ])
 def test_bad_input_is_one_line(args, message):
   proc = meshtron(*args)

@@ -25,9 +25,8 @@ from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_step import TINY, one_device_state, random_batch
-from trainer.config import OptimConfig, TrainConfig
+from trainer.config import OptimConfig, StepConfig, TrainConfig
 from trainer.loop import Trainer
-from trainer.plan_cli import layout_from_config
 from models import param_names
 from trainer.step import make_train_step
 
@@ -48,8 +47,9 @@ def test_bf16_gradient_accumulation_is_close_to_fp32():
   tx = optax.sgd(1.0)
   graphdef, state = one_device_state(tx)
   names, batch = param_names(TINY), random_batch(0)
-  steps = {d: jax.jit(make_train_step(graphdef, names, tx, lambda s: 1.0, microbatches=4,
-                                      grad_accum_dtype=d)) for d in ("float32", "bfloat16")}
+  steps = {d: jax.jit(make_train_step(graphdef, names, tx, lambda s: 1.0,
+                                      StepConfig(microbatches=4, grad_accum_dtype=d)))
+           for d in ("float32", "bfloat16")}
   texts = {d: s.lower(state, batch).as_text() for d, s in steps.items()}
   assert texts["float32"] != texts["bfloat16"]
   grads = {d: [np.asarray(a) - np.asarray(p) for a, p in zip(
@@ -106,7 +106,7 @@ def measured(name):
   with trainer.context():
     stats = trainer.train_step.lower(trainer.abstract_state,
                                      trainer.abstract_batch()).compile().memory_analysis()
-  m, layout = cfg.model, layout_from_config(cfg, 8)
+  m, layout = cfg.model, cfg.layout(8)
   precision = estimate.trainer_precision(m.dtype, m.param_dtype, cfg.grad_accum_dtype)
   estimator = optimizer_cost.muon_memory if cfg.optim.name == "muon" else estimate.memory
   est = estimator(m, layout, cfg.seq_len, precision, workspace_bytes=0)

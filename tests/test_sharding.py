@@ -210,10 +210,7 @@ def test_trainer_and_estimate_split_the_vocab_alike(batch, microbatches, split):
   """The debug model (264 vocab) at 8 tokens a sequence on fsdp=8: the group shares batch x 8 /
   microbatches tokens per microbatch; "auto" splits the vocab at 64 and keeps it at 256. The
   analytic model (meshtron plan / memory) decides the same from the same layout."""
-  from sharding.plan import estimate
-  from trainer.plan_cli import layout_from_config
   cfg = debug_config(fsdp=8)
   cfg.batch_size, cfg.seq_len, cfg.microbatches = batch, 8, microbatches
-  assert Trainer(cfg).vocab_over_fsdp is split
-  layout = layout_from_config(cfg, 8)
-  assert estimate.vocab_split(estimate.model_spec(cfg.model), layout, cfg.seq_len) is split
+  assert Trainer(cfg).layout.vocab_split is split
+  assert cfg.layout(8).splits_vocab(cfg.model.vocab_size, cfg.seq_len) is split

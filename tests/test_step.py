@@ -11,9 +11,9 @@ import pytest
 import sharding
 from models import ModelConfig, abstract_model, param_names
 from trainer import loss
-from trainer.config import OptimConfig
+from trainer.config import OptimConfig, StepConfig
 from trainer.optim import decay_mask, make_optimizer, schedule
-from trainer.state import create_state
+from tests.parallel_harness import sharded_state
 from trainer.step import make_train_step
 
 TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -34,7 +34,7 @@ def one_device_state(tx, cfg=TINY):
   mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
   with sharding.use_rules(mesh):
     graphdef, _ = abstract_model(cfg)
-    state, _ = create_state(cfg, tx, param_names(cfg), seed=0)
+    state, _ = sharded_state(cfg, tx, param_names(cfg), seed=0)
   return graphdef, state
 
 
@@ -44,7 +44,8 @@ def test_gradient_accumulation_equals_one_big_batch():
   tx = optax.sgd(1.0)
   graphdef, state = one_device_state(tx)
   batch = random_batch(0)
-  steps = {n: jax.jit(make_train_step(graphdef, param_names(TINY), tx, lambda s: 1.0, microbatches=n))
+  steps = {n: jax.jit(make_train_step(graphdef, param_names(TINY), tx, lambda s: 1.0,
+                                       StepConfig(microbatches=n)))
            for n in (1, 4)}
   loops = {n: step.lower(state, batch).as_text().count("stablehlo.while") for n, step in steps.items()}
   assert loops[4] == loops[1] + 1  # really a scan over microbatches around the layer scan
@@ -100,7 +101,7 @@ def test_train_step_compiles_once_and_learns():
     names = param_names(cfg)
     tx, lr = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0), names, 10)
     graphdef, _ = abstract_model(cfg)
-    state, shardings = create_state(cfg, tx, names, seed=0)
+    state, shardings = sharded_state(cfg, tx, names, seed=0)
     batch_sharding = sharding.named_sharding(("batch", "seq"), (8, 16))
     step = jax.jit(make_train_step(graphdef, names, tx, lr), donate_argnums=0,
                    in_shardings=(shardings, batch_sharding),

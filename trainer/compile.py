@@ -36,7 +36,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
       "model": f"{cfg.model.num_params() / 1e9:.3f}B parameters, {cfg.model.num_layers} layers",
       "mesh": ", ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1) or "1 device",
       "layout": f"zero_stage={cfg.mesh.zero_stage}, sequence_parallel="
-                f"{cfg.mesh.sequence_parallel}, vocab_over_fsdp={trainer.vocab_over_fsdp},"
+                f"{cfg.mesh.sequence_parallel}, vocab_over_fsdp={trainer.layout.vocab_split},"
                 f" microbatches={cfg.microbatches},"
                 f" remat={cfg.model.remat}",
       "tokens per step": tokens,

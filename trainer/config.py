@@ -5,12 +5,11 @@ read-only by convention after `validate()`.
 """
 
 import dataclasses
-import math
 
 from models.config import ModelConfig
+from sharding.layout import Layout, layout_of
+from sharding.mesh import MeshConfig
 from sharding.xla import presets
-from sharding import schedules
-from sharding.mesh import BATCH_AXES, MeshConfig
 
 
 @dataclasses.dataclass
@@ -32,6 +31,35 @@ class DataConfig:
   # each global batch (batches independent of the process count, exact resume on any count);
   # True = each process reads only its share of the documents (scales reading to huge corpora).
   shard_documents_by_process: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """What the train step computes besides the model (trainer/step.py): the loss and how the
+  head meets it, gradient accumulation and its pipeline schedule, the update guard, and the
+  MoE routing losses and balancing rate. Built from a TrainConfig by `TrainConfig.step()`, or
+  for a bare model by `StepConfig.for_model`."""
+
+  microbatches: int = 1
+  z_loss: float = 0.0
+  spike_factor: float = 0.0  # > 0: skip steps whose loss exceeds this x its running average
+  grad_accum_dtype: str = "float32"
+  pipeline_schedule: str = "1f1b"
+  virtual_stages: int = 1
+  loss_impl: str = "dense"  # "dense" logits, or "chunked" head + loss (ModelConfig.loss_impl)
+  loss_chunk_size: int = 256
+  moe_balance_weight: float = 0.0  # MoEConfig.load_balance_loss
+  moe_z_weight: float = 0.0  # MoEConfig.router_z_loss
+  moe_bias_rate: float = 0.0  # MoEConfig.bias_update_rate (aux-loss-free balancing)
+
+  @classmethod
+  def for_model(cls, model: ModelConfig, **step) -> "StepConfig":
+    """The model's loss and MoE settings, plus the given step fields."""
+    moe = model.moe
+    return cls(loss_impl=model.loss_impl, loss_chunk_size=model.loss_chunk_size,
+               moe_balance_weight=moe.load_balance_loss if moe else 0.0,
+               moe_z_weight=moe.router_z_loss if moe else 0.0,
+               moe_bias_rate=moe.bias_update_rate if moe else 0.0, **step)
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -179,40 +207,18 @@ class TrainConfig:
                        f" {self.init_from!r}")
     presets.resolve(self.xla_preset)  # names the known presets if not one of them
 
+  def step(self) -> StepConfig:
+    """The train step's own settings."""
+    return StepConfig.for_model(
+        self.model, microbatches=self.microbatches, z_loss=self.z_loss,
+        spike_factor=self.loss_spike_factor, grad_accum_dtype=self.grad_accum_dtype,
+        pipeline_schedule=self.mesh.pipeline_schedule, virtual_stages=self.mesh.virtual_stages)
 
-def validate_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
-  """Checks the batch and sequence against the resolved mesh sizes; one-line ValueErrors."""
-  data_parallel = math.prod(sizes[a] for a in BATCH_AXES)
-  if cfg.batch_size % (data_parallel * cfg.microbatches):
-    axes = " x ".join(f"{a}={sizes[a]}" for a in BATCH_AXES if sizes[a] > 1) or "1"
-    raise ValueError(
-        f"batch_size={cfg.batch_size} is not divisible by the data-parallel size"
-        f" {data_parallel} ({axes}) x microbatches={cfg.microbatches}; each microbatch is split"
-        " over the data-parallel devices")
-  stages = sizes["pipeline"]
-  if stages > 1:
-    chunks = stages * cfg.mesh.virtual_stages
-    if cfg.model.moe is not None:
-      raise ValueError("pipeline parallelism does not yet support MoE layers; use pipeline=1")
-    if cfg.model.fp8.enabled:
-      raise ValueError("pipeline parallelism does not yet support model.fp8; use pipeline=1")
-    if cfg.model.num_layers % chunks:
-      raise ValueError(f"model.num_layers={cfg.model.num_layers} is not divisible by pipeline="
-                       f"{stages} x virtual_stages={cfg.mesh.virtual_stages}")
-    schedules.make(cfg.mesh.pipeline_schedule, stages, cfg.microbatches,
-                   cfg.mesh.virtual_stages)  # the schedule's own checks, as one-line errors
-  if cfg.model.collective_matmul and sizes["tensor"] > 1 and not cfg.mesh.sequence_parallel:
-    raise ValueError("model.collective_matmul decomposes sequence parallelism's all-gather and"
-                     " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
-  # Context parallelism splits the sequence into 2 chunks per device (the load-balanced order).
-  chunks = 2 * sizes["context"] if sizes["context"] > 1 else 1
-  seq_split = math.lcm(chunks, sizes["context"] * (sizes["tensor"] if cfg.mesh.sequence_parallel
-                                                   else 1))
-  if cfg.seq_len % seq_split:
-    needs = ([f"2 x context = {chunks}"] if chunks > 1 else []) + (
-        [f"context x tensor = {sizes['context'] * sizes['tensor']} (sequence parallelism)"]
-        if cfg.mesh.sequence_parallel else [])
-    raise ValueError(f"seq_len={cfg.seq_len} is not divisible by {' and by '.join(needs)}")
+  def layout(self, num_devices: int) -> Layout:
+    """This run's parallel layout on `num_devices` devices (sharding.layout.layout_of): the
+    checks that need no compile, as one-line errors."""
+    return layout_of(self.mesh, num_devices, self.model, batch_size=self.batch_size,
+                     seq_len=self.seq_len, microbatches=self.microbatches)
 
 
 def parse_xla_options(text: str) -> dict:

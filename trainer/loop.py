@@ -17,7 +17,7 @@ from sharding.xla import compiled, presets
 from sharding import report
 from models import abstract_model, param_names
 from trainer import checkpoint, convert, data, metrics, plot, preemption, sample
-from trainer.config import TrainConfig, compiler_options, validate_layout
+from trainer.config import TrainConfig, compiler_options
 from trainer.optim import make_optimizer
 from trainer.state import make_init_fn, state_shardings
 from trainer.step import BATCH_KEYS, make_eval_step, make_train_step
@@ -57,29 +57,18 @@ class Trainer:
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is"
                        f" {cfg.model.vocab_size}; set --config.model.vocab_size to at least that")
-    self.mesh = sharding.make_mesh(cfg.mesh, devices)
-    sizes = sharding.mesh_sizes(self.mesh)
-    validate_layout(cfg, sizes)
-    # The tokens of one microbatch that the fsdp group shares (split over fsdp, not otherwise).
-    group_tokens = cfg.batch_size * cfg.seq_len / (
-        cfg.microbatches * sizes["data"] * sizes["expert"] * sizes["context"])
-    self.vocab_over_fsdp = sharding.split_vocab_over_fsdp(
-        cfg.mesh.vocab_over_fsdp, fsdp=sizes["fsdp"], tensor=sizes["tensor"],
-        vocab=cfg.model.vocab_size, group_tokens=group_tokens)
-    layout = dict(sequence_parallel=cfg.mesh.sequence_parallel,
-                  vocab_over_fsdp=self.vocab_over_fsdp,
-                  lookup_rows=sharding.lookup_moves_rows(
-                      fsdp=sizes["fsdp"], tensor=sizes["tensor"], pipeline=sizes["pipeline"],
-                      vocab=cfg.model.vocab_size, group_tokens=group_tokens))
-    overrides = sharding.parse_overrides(cfg.sharding_rules)
-    self.rules = sharding.layout_rules(sharding.with_overrides(sharding.DEFAULT_RULES, overrides),
-                                       **layout)
+    # The whole layout, resolved once (sharding/layout.py): mesh, rules and their decisions.
+    self.layout = sharding.resolve(cfg.mesh, jax.devices() if devices is None else devices,
+                                   cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                   microbatches=cfg.microbatches,
+                                   rule_overrides=cfg.sharding_rules)
+    self.mesh, self.rules = self.layout.mesh, self.layout.rules
     with self.context():
       self.graphdef, abstract_params = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
       self.param_rows = report.param_rows(self.names, abstract_params)
       report.check_replication(self.param_rows, cfg.max_replicated_fraction,
-                               sharding.layout_rules(sharding.DEFAULT_RULES, **layout))
+                               self.layout.layout.rules(cfg.model.vocab_size, cfg.seq_len))
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
       self._init = make_init_fn(cfg.model, self.tx, cfg.seed)
       self.abstract_state = jax.eval_shape(self._init)
@@ -90,16 +79,13 @@ class Trainer:
       replicated = sharding.replicated()
       options = presets.check_options(  # fails at start-up, not deep in a run
           compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
-      self.step_fn = make_train_step(self.graphdef, self.names, self.tx, self.lr,
-                                     microbatches=cfg.microbatches, z_loss=cfg.z_loss,
-                                     spike_factor=cfg.loss_spike_factor,
-                                     pipeline_schedule=cfg.mesh.pipeline_schedule,
-                                     virtual_stages=cfg.mesh.virtual_stages,
-                                     grad_accum_dtype=cfg.grad_accum_dtype)
+      # Bound to the layout: whoever traces them, they trace with this mesh and these rules.
+      self.step_fn = self.layout.bind(make_train_step(self.graphdef, self.names, self.tx,
+                                                      self.lr, cfg.step()))
       self.train_step = jax.jit(self.step_fn, in_shardings=(self.shardings, self.batch_sharding),
                                 out_shardings=(self.shardings, replicated), donate_argnums=0,
                                 compiler_options=options or None)
-      self.eval_step = jax.jit(make_eval_step(self.graphdef),
+      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, cfg.step())),
                                in_shardings=(self.shardings.params, self.batch_sharding),
                                out_shardings=replicated)
     self.state = None
@@ -140,16 +126,14 @@ class Trainer:
       jax.eval_shape(self.step_fn, self.abstract_state, self.abstract_batch())
     per_device = sum(r.bytes_per_device for r in self.param_rows)
     return "\n".join([
-        f"mesh {dict(self.mesh.shape)}, zero_stage {self.cfg.mesh.zero_stage},"
-        f" sequence_parallel {self.cfg.mesh.sequence_parallel},"
-        f" vocab_over_fsdp {self.vocab_over_fsdp}",
+        self.layout.describe(),
         "parameters:", report.format_rows(self.param_rows),
         f"parameter bytes per device: {per_device:,}"
         f" ({report.replicated_fraction(self.param_rows):.1%} of bytes replicated)",
         "activations:", report.format_rows(report.activation_rows(recorded), with_bytes=False)])
 
   def context(self):
-    return sharding.use_rules(self.mesh, self.rules, self.cfg.mesh.zero_stage)
+    return self.layout.context()
 
   def iterator(self, split: str):
     return data.make_iterator(self.cfg, self.tokenizer, split, jax.process_index(),

@@ -39,6 +39,18 @@ def chunked_cross_entropy_sums(hidden_BLD, head_DV, targets_BL, mask_BL, z_loss:
       constrain_logits=lambda x: constrain(x, ("batch", "seq", "act_vocab")))
 
 
+def head_loss_sums(model, hidden_BLD, batch: dict, cfg):
+  """The model's output head over its final hidden states, and the summed loss: dense logits
+  (`cross_entropy_sums`) or, with cfg.loss_impl == "chunked", the head and loss over sequence
+  chunks (`chunked_cross_entropy_sums`). `cfg` is the step's StepConfig (z_loss, loss_impl,
+  loss_chunk_size); one function for the plain and the pipelined step."""
+  if cfg.loss_impl == "chunked":
+    return chunked_cross_entropy_sums(hidden_BLD, model.head_weights(), batch["targets"],
+                                      batch["loss_mask"], cfg.z_loss, cfg.loss_chunk_size)
+  return cross_entropy_sums(model.logits(hidden_BLD), batch["targets"], batch["loss_mask"],
+                            cfg.z_loss)
+
+
 def add_moe_losses(loss_sum, stats: dict, aux: dict, mask_BL, balance_weight: float,
                    z_weight: float):
   """Adds the MoE router losses to a summed loss, and their sums and routing counts to stats.

@@ -8,14 +8,16 @@ import time
 
 from absl import flags
 
+import sharding.layout
 from sharding.plan import estimate, hardware, planner
 
 _MODEL = flags.DEFINE_string("model", "", "memory/plan: model preset (e.g. llama3_70b,"
                              " playbook_8b, mixtral_8x7b); memory without it reads --config")
 _GPU = flags.DEFINE_string("gpu", "h100", "memory/plan: h100, h200, a100, b200 or a profile .json")
 _SEQ = flags.DEFINE_integer("seq", 4096, "memory/plan: sequence length")
-_LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. dp=4,tp=2,pp=2,zero=1,mbs=4,ga=16,"
-                              "remat=selective,sp=1,schedule=1f1b (also fsdp=, cp=, ep=, vpp=)")
+_LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. data=4,tensor=2,pipeline=2,zero=1,mbs=4,"
+                              "ga=16,remat=selective,sp=1,schedule=1f1b (also fsdp=, context=,"
+                              " expert=, vpp=; aliases dp=, tp=, pp=, cp=, ep=)")
 _PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook (bf16 + fp32"
                                  " master, Adam fp32), playbook_fp32_accum, fp32, or trainer"
                                  " (what trainer/ stores today: fp32 params, grads and moments)")
@@ -58,21 +60,6 @@ def precision_by_name(name: str, model_dtype: str = "bfloat16") -> estimate.Prec
   if name not in estimate.PRECISIONS:
     raise ValueError(f"unknown precision {name!r}; one of {', '.join(estimate.PRECISIONS)}")
   return estimate.PRECISIONS[name]
-
-
-def layout_from_config(cfg, num_devices: int) -> estimate.Layout:
-  """The Layout of a TrainConfig's mesh on `num_devices` devices."""
-  from sharding.mesh import resolve_sizes
-  sizes = resolve_sizes(cfg.mesh, num_devices)
-  shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  if cfg.batch_size % (shards * cfg.microbatches):
-    raise ValueError(f"batch_size={cfg.batch_size} is not divisible by data x fsdp x expert ="
-                     f" {shards} x microbatches={cfg.microbatches}")
-  return estimate.Layout(dp=sizes["data"], fsdp=sizes["fsdp"], zero=cfg.mesh.zero_stage,
-                         tp=sizes["tensor"], sp=cfg.mesh.sequence_parallel, cp=sizes["context"],
-                         pp=sizes["pipeline"], ep=sizes["expert"], ga=cfg.microbatches,
-                         mbs=cfg.batch_size // (shards * cfg.microbatches), remat=cfg.model.remat,
-                         vocab_over_fsdp=cfg.mesh.vocab_over_fsdp)
 
 
 def format_memory(cand: planner.Candidate, title: str, hw: hardware.HardwareProfile) -> str:
@@ -121,13 +108,13 @@ def run_memory(config, config_given: bool) -> None:
   hw = hardware.load_profile(_GPU.value)
   if _MODEL.value:
     model = model_by_name(_MODEL.value)
-    layout = planner.parse_layout(_LAYOUT.value)
+    layout = sharding.layout.parse(_LAYOUT.value)
     precision, seq, title = precision_by_name(_PRECISION.value), _SEQ.value, _MODEL.value
   else:
     if _LAYOUT.value or not config_given:
       raise ValueError("memory needs --model=NAME --layout=... or --config=PRESET|file.py")
     model = estimate.model_spec(config.model)
-    layout = layout_from_config(config, _GPUS.value or hw.gpus_per_node)
+    layout = config.layout(_GPUS.value or hw.gpus_per_node)
     precision = estimate.trainer_precision(config.model.dtype, config.model.param_dtype)
     seq, title = config.seq_len, f"{config.model.num_params() / 1e9:.2f}B-parameter model"
   errors = planner.divisibility_errors(model, layout, seq)
@@ -178,12 +165,14 @@ def run_plan() -> None:
     print(f"wrote {path}: meshtron train --config={path}")
 
 
-def write_config(path: str, model: str, layout: estimate.Layout, seq: int) -> bool:
+def write_config(path: str, model: str, layout: sharding.layout.Layout, seq: int) -> bool:
   """A config file for `meshtron train` with the layout's mesh, batch and remat."""
   from configs import llama
   if model not in llama.MODELS:
     print(f"note: {model} is not a trainer preset yet; no config written", file=sys.stderr)
     return False
+  mesh = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(layout.mesh_config()).items()
+                   if k not in ("dcn", "allow_tensor_across_hosts"))
   text = f'''"""{model} with the layout chosen by `meshtron plan`: {layout.string()}."""
 
 from configs import llama
@@ -192,12 +181,10 @@ from sharding.mesh import MeshConfig
 
 def get_config():
   cfg = llama.large({model!r})
-  cfg.mesh = MeshConfig(data={layout.dp}, pipeline={layout.pp}, fsdp={layout.fsdp},
-                        expert={layout.ep}, context={layout.cp}, tensor={layout.tp},
-                        zero_stage={layout.zero}, sequence_parallel={layout.sp})
+  cfg.mesh = MeshConfig({mesh})
   cfg.seq_len = {seq}
   cfg.batch_size = {layout.global_batch}  # sequences per step: mbs x ga x data x fsdp x expert
-  cfg.microbatches = {layout.ga}
+  cfg.microbatches = {layout.microbatches}
   cfg.model.remat = {layout.remat!r}
   return cfg
 '''

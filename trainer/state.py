@@ -49,10 +49,3 @@ def state_shardings(abstract: TrainState, names, tx: optax.GradientTransformatio
       is_leaf=masked)
   return TrainState(step=sharding.replicated(), params=params, opt_state=opt_state,
                     rng=sharding.replicated(), loss_ema=sharding.replicated())
-
-
-def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, names, seed: int):
-  """Initializes the train state sharded from the start; returns (state, shardings)."""
-  init = make_init_fn(model_cfg, tx, seed)
-  shardings = state_shardings(jax.eval_shape(init), names, tx)
-  return jax.jit(init, out_shardings=shardings)(), shardings

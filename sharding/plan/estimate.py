@@ -8,12 +8,11 @@ import dataclasses
 import math
 
 from sharding import schedules
-from sharding.rules import split_vocab_over_fsdp
+from sharding.layout import REMATS, Layout
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
 DEFAULT_WORKSPACE_BYTES = 1.5e9
-REMATS = ("none", "selective", "full")
 SCHEDULES = schedules.SCHEDULES
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
@@ -150,55 +149,6 @@ PRECISIONS = {"playbook": PLAYBOOK_MIXED, "playbook_fp32_accum": PLAYBOOK_MIXED_
               "fp32": FULL_FP32, "trainer": trainer_precision("bfloat16")}
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """A parallel layout in the playbook's terms, mapped onto our mesh axes.
-
-  dp -> `data` (ZeRO stage `zero` applies to it), fsdp -> `fsdp` (always ZeRO-3), tp -> `tensor`
-  (sp: sequence parallelism), cp -> `context`, pp -> `pipeline`, ep -> `expert`. mbs is the
-  micro-batch per data-parallel replica in sequences, ga the gradient-accumulation steps.
-  """
-
-  dp: int = 1
-  fsdp: int = 1
-  zero: int = 0
-  tp: int = 1
-  sp: bool = False
-  cp: int = 1
-  pp: int = 1
-  ep: int = 1
-  schedule: str = "1f1b"
-  vpp: int = 1  # virtual stages per device (interleaved_1f1b schedule)
-  mbs: int = 1
-  ga: int = 1
-  remat: str = "none"
-  vocab_over_fsdp: str = "auto"  # as the trainer's mesh.vocab_over_fsdp (sharding.rules)
-
-  @property
-  def num_devices(self) -> int:
-    return self.dp * self.fsdp * self.tp * self.cp * self.pp * self.ep
-
-  @property
-  def batch_shards(self) -> int:
-    """Replicas the batch is split over: the mesh's batch axes data, fsdp, expert."""
-    return self.dp * self.fsdp * self.ep
-
-  @property
-  def global_batch(self) -> int:
-    """Sequences per optimizer step."""
-    return self.mbs * self.ga * self.batch_shards
-
-  def string(self) -> str:
-    parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"cp={self.cp}", f"ep={self.ep}",
-             f"zero={self.zero}", f"mbs={self.mbs}", f"ga={self.ga}", f"remat={self.remat}",
-             f"sp={int(self.sp)}", f"schedule={self.schedule}"]
-    if self.fsdp > 1:
-      parts.insert(1, f"fsdp={self.fsdp}")
-    if self.vpp > 1:
-      parts.append(f"vpp={self.vpp}")
-    return ",".join(parts)
-
-
 # ---- memory ----
 
 
@@ -242,31 +192,18 @@ class ParamCounts:
 
 def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   m, lay = model, layout
-  per_layer = (m.attention_params() + m.dense_mlp_params()) / lay.tp + \
-      m.expert_params() / (lay.tp * lay.ep)
-  layers = m.num_layers / lay.pp
+  per_layer = (m.attention_params() + m.dense_mlp_params()) / lay.tensor + \
+      m.expert_params() / (lay.tensor * lay.expert)
+  layers = m.num_layers / lay.pipeline
   # One stage keeps the embedding and the last the head; tied tables live on both end stages.
-  tables = (1 if m.tie_embeddings or lay.pp > 1 else 2) * m.vocab_size * m.embed_dim / lay.tp
+  copies = 1 if m.tie_embeddings or lay.pipeline > 1 else 2
+  tables = copies * m.vocab_size * m.embed_dim / lay.tensor
   return ParamCounts(layers * per_layer, tables, layers * 2 * m.embed_dim + m.embed_dim, per_layer)
-
-
-def fsdp_group_tokens(layout: Layout, seq_len: int) -> float:
-  """The tokens of one microbatch that an fsdp group shares (what the trainer's layout
-  decisions in sharding.rules compare with the vocab)."""
-  return layout.mbs * layout.fsdp * seq_len / layout.cp
-
-
-def vocab_split(model: ModelSpec, layout: Layout, seq_len: int) -> bool:
-  """Whether the trainer splits the vocab over fsdp for this layout: the same decision from the
-  same tokens (sharding.rules.split_vocab_over_fsdp)."""
-  return split_vocab_over_fsdp(layout.vocab_over_fsdp, fsdp=layout.fsdp, tensor=layout.tp,
-                               vocab=model.vocab_size,
-                               group_tokens=fsdp_group_tokens(layout, seq_len))
 
 
 def shards(layout: Layout) -> tuple[int, int, int]:
   """(param, grad, optimizer) shard counts: fsdp always, plus `data` from ZeRO stage 3/2/1."""
-  f, d, z = layout.fsdp, layout.dp, layout.zero
+  f, d, z = layout.fsdp, layout.data, layout.zero_stage
   return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
@@ -277,7 +214,8 @@ def state_bytes(shardable: float, replicated: float, layout: Layout,
   k = 12 for Adam with fp32 master weights."""
   p, g, o = shards(layout)
   pr = precision
-  accum = pr.grad_accum_bytes if (layout.ga > 1 or not pr.accum_only_when_microbatching) else 0
+  accumulating = layout.microbatches > 1 or not pr.accum_only_when_microbatching
+  accum = pr.grad_accum_bytes if accumulating else 0
   params = pr.param_bytes * (shardable / p + replicated)
   grads = (pr.grad_bytes + accum) * (shardable / g + replicated)
   optimizer = (pr.master_bytes + 2 * pr.opt_bytes) * (shardable / o + replicated)
@@ -325,7 +263,7 @@ def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, 
   none: replicated/(t if SP) + split/t + scores s/t; selective: without the scores; full: only
   the layer input (2sbh at 2 bytes), split by t under SP.
   """
-  t, sp_div = layout.tp, (layout.tp if layout.sp else 1)
+  t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
   if remat == "full":
     return tokens * terms.layer_input / sp_div
   per_token = terms.replicated / sp_div + terms.split / t
@@ -341,12 +279,12 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)
   terms = activation_terms(m, precision.act_bytes, formula)
-  tokens = lay.mbs * seq_len / lay.cp  # per device per microbatch (CP splits the sequence)
+  tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
-  activations = per_layer * (m.num_layers / lay.pp) * schedules.in_flight_microbatches(
-      lay.schedule, lay.pp, lay.ga, lay.vpp)
+  activations = per_layer * (m.num_layers / lay.pipeline) * schedules.in_flight_microbatches(
+      lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
-  logits = tokens * m.vocab_size / lay.tp * (precision.act_bytes + 8)
+  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8)
   temporaries = workspace_bytes
   if lay.remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \

@@ -6,18 +6,14 @@ import math
 import os
 
 from sharding import schedules
-from sharding.plan.estimate import (Layout, ModelSpec, Precision, fsdp_group_tokens, memory,
-                                    model_spec, param_counts, vocab_split)
-from sharding.rules import lookup_moves_rows
+from sharding.layout import Layout
+from sharding.mesh import AXES
+from sharding.plan.estimate import ModelSpec, Precision, memory, model_spec, param_counts
 
-# Mesh axes outer (slow links) to inner (fast links), as sharding/mesh.py lays them out.
-MESH_ORDER = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 # nanotron (the playbook's benchmarks) nests ranks as (pp, dp, tp): data parallelism inside nodes.
 NANOTRON_ORDER = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 # Gradients travel in buckets (nanotron's and PyTorch DDP's 25 MB): one ring per bucket.
 BUCKET_BYTES = 25e6
-LAYOUT_AXES = {"data": "dp", "pipeline": "pp", "fsdp": "fsdp", "expert": "ep", "context": "cp",
-               "tensor": "tp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +110,8 @@ class Collective:
   @property
   def ring_steps(self) -> float:
     n = self.group
-    return self.count * (1 if self.kind == "p2p" else (2 if self.kind == "all-reduce" else 1) * (n - 1))
+    per_op = 1 if self.kind == "p2p" else (2 if self.kind == "all-reduce" else 1) * (n - 1)
+    return self.count * per_op
 
 
 def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> list[Collective]:
@@ -129,86 +126,88 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   gradients backward per microbatch and virtual stage; EP: 4 all-to-alls per MoE layer.
   """
   m, lay, pr = model_spec(model), layout, precision
+  ga = lay.microbatches
   counts = param_counts(m, lay)
   out = []
   # Gradients are reduced in the accumulation dtype when there is one (nanotron: fp32 buffers).
   grads = counts.total * max(pr.grad_bytes, pr.grad_accum_bytes) / lay.fsdp
   params = counts.total * pr.param_bytes / lay.fsdp
   buckets = lambda size: max(1.0, math.ceil(size / BUCKET_BYTES))  # noqa: E731
-  zero_data = lay.zero in (1, 2) and lay.dp > 1
-  sync = [(a, n) for a, n in (("data", lay.dp if lay.zero in (0, 1, 2) else 1),
-                              ("context", lay.cp), ("expert", lay.ep)) if n > 1]
+  zero_data = lay.zero_stage in (1, 2) and lay.data > 1
+  sync = [(a, n) for a, n in (("data", lay.data if lay.zero_stage in (0, 1, 2) else 1),
+                              ("context", lay.context), ("expert", lay.expert)) if n > 1]
   if zero_data:  # reduce-scatter the gradients, all-gather the updated parameters
     n = buckets(grads)
     out.append(Collective(("data",), "reduce-scatter", "grad_sync", grads / n,
-                          n * (lay.ga if lay.zero == 2 else 1), lay.dp))
+                          n * (ga if lay.zero_stage == 2 else 1), lay.data))
     n = buckets(params)
-    out.append(Collective(("data",), "all-gather", "param_sync", params / n, n, lay.dp))
+    out.append(Collective(("data",), "all-gather", "param_sync", params / n, n, lay.data))
     sync = [(a, n) for a, n in sync if a != "data"]
   if sync:
     n = buckets(grads)
     out.append(Collective(tuple(a for a, _ in sync), "all-reduce", "grad_sync", grads / n, n,
                           math.prod(size for _, size in sync)))
-  n_z3 = lay.fsdp * (lay.dp if lay.zero == 3 else 1)
-  tokens = lay.mbs * seq_len / lay.cp
+  n_z3 = lay.fsdp * (lay.data if lay.zero_stage == 3 else 1)
+  tokens = lay.micro_batch * seq_len / lay.context
   act = tokens * m.embed_dim * pr.act_bytes
   if n_z3 > 1:
-    axes = ("data", "fsdp") if lay.zero == 3 else ("fsdp",)
+    axes = ("data", "fsdp") if lay.zero_stage == 3 else ("fsdp",)
     layers = counts.layers * pr.param_bytes
     # Where the embedding lookup moves token rows (an all-to-all each way; sharding.rules), not
     # the table: only the head (or the tied table as head) is gathered and has its gradient
     # reduced, and neither is with the vocab split over fsdp (models/layers.Embed).
-    table = m.vocab_size * m.embed_dim / lay.tp
-    by_rows = lookup_moves_rows(fsdp=lay.fsdp, tensor=lay.tp, pipeline=lay.pp,
-                                vocab=m.vocab_size, group_tokens=fsdp_group_tokens(lay, seq_len))
-    split = vocab_split(m, lay, seq_len)
+    table = m.vocab_size * m.embed_dim / lay.tensor
+    by_rows = lay.moves_lookup_rows(m.vocab_size, seq_len)
+    split = lay.splits_vocab(m.vocab_size, seq_len)
     gathered = 0.0 if split else table if by_rows else counts.tables
     local = counts.tables if split else counts.tables - table if by_rows else 0.0
     rest = (gathered + counts.replicated) * pr.param_bytes
-    ops = 2 * m.num_layers / lay.pp + 1  # each layer forward and backward, the tables once
-    out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, lay.ga * ops,
+    ops = 2 * m.num_layers / lay.pipeline + 1  # each layer forward and backward, the tables once
+    out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, ga * ops,
                           n_z3))
-    ops = m.num_layers / lay.pp + 1
+    ops = m.num_layers / lay.pipeline + 1
     out.append(Collective(axes, "reduce-scatter", "zero3",
-                          (counts.total - local) * pr.grad_bytes / ops, lay.ga * ops, n_z3))
+                          (counts.total - local) * pr.grad_bytes / ops, ga * ops, n_z3))
     if by_rows:
-      out.append(Collective(("fsdp",), "all-to-all", "zero3", act, 2 * lay.ga, lay.fsdp))
-    if by_rows and not split and lay.zero == 3 and lay.dp > 1:
+      out.append(Collective(("fsdp",), "all-to-all", "zero3", act, 2 * ga, lay.fsdp))
+    if by_rows and not split and lay.zero_stage == 3 and lay.data > 1:
       # ZeRO-3 stores the table's embed dim over data x fsdp and the lookup wants it over fsdp:
       # its data shards are gathered, their gradients reduce-scattered, and two permutes reorder
       # the shards between the two device orders (as compiled, e.g. data=2 x fsdp=4).
       shard = table / lay.fsdp
-      out.append(Collective(("data",), "all-gather", "zero3", shard * pr.param_bytes, lay.ga,
-                            lay.dp))
-      out.append(Collective(("data",), "reduce-scatter", "zero3", shard * pr.grad_bytes, lay.ga,
-                            lay.dp))
-      out.append(Collective(("data", "fsdp"), "p2p", "zero3", shard / lay.dp * pr.param_bytes,
-                            2 * lay.ga, n_z3))
+      out.append(Collective(("data",), "all-gather", "zero3", shard * pr.param_bytes, ga,
+                            lay.data))
+      out.append(Collective(("data",), "reduce-scatter", "zero3", shard * pr.grad_bytes, ga,
+                            lay.data))
+      out.append(Collective(("data", "fsdp"), "p2p", "zero3", shard / lay.data * pr.param_bytes,
+                            2 * ga, n_z3))
     if split:  # the group's hidden states and embedding rows, and their gradients
       group = act * lay.fsdp
       for kind in ("all-gather", "reduce-scatter"):
-        out.append(Collective(("fsdp",), kind, "zero3", group, 2 * lay.ga, lay.fsdp))
-  layer_passes = lay.ga * m.num_layers / lay.pp
-  if lay.tp > 1:
+        out.append(Collective(("fsdp",), kind, "zero3", group, 2 * ga, lay.fsdp))
+  layer_passes = ga * m.num_layers / lay.pipeline
+  if lay.tensor > 1:
     again = 1 if lay.remat == "full" else 0
-    if lay.sp:
+    if lay.sequence_parallel:
       out.append(Collective(("tensor",), "all-gather", "tensor", act,
-                            layer_passes * (6 + 2 * again) + 2 * lay.ga, lay.tp))
+                            layer_passes * (6 + 2 * again) + 2 * ga, lay.tensor))
       out.append(Collective(("tensor",), "reduce-scatter", "tensor", act,
-                            layer_passes * (4 + 2 * again) + lay.ga, lay.tp))
+                            layer_passes * (4 + 2 * again) + ga, lay.tensor))
     else:
       out.append(Collective(("tensor",), "all-reduce", "tensor", act,
-                            layer_passes * (4 + 2 * again) + 2 * lay.ga, lay.tp))
-  if lay.cp > 1:
-    kv = 2 * tokens * m.num_kv_heads * m.head_dim * pr.act_bytes / lay.tp
-    out.append(Collective(("context",), "p2p", "context", kv, 3 * (lay.cp - 1) * layer_passes,
-                          lay.cp))
-  if lay.pp > 1:
-    out.append(Collective(("pipeline",), "p2p", "pipeline", act / (lay.tp if lay.sp else 1),
-                          2 * lay.ga * lay.vpp, lay.pp))
-  if lay.ep > 1 and m.moe:
+                            layer_passes * (4 + 2 * again) + 2 * ga, lay.tensor))
+  if lay.context > 1:
+    kv = 2 * tokens * m.num_kv_heads * m.head_dim * pr.act_bytes / lay.tensor
+    out.append(Collective(("context",), "p2p", "context", kv, 3 * (lay.context - 1) * layer_passes,
+                          lay.context))
+  if lay.pipeline > 1:
+    sent = act / (lay.tensor if lay.sequence_parallel else 1)
+    out.append(Collective(("pipeline",), "p2p", "pipeline", sent,
+                          2 * ga * lay.virtual_stages, lay.pipeline))
+  if lay.expert > 1 and m.moe:
     routed = act * m.moe.experts_per_token
-    out.append(Collective(("expert",), "all-to-all", "expert", routed, 4 * layer_passes, lay.ep))
+    out.append(Collective(("expert",), "all-to-all", "expert", routed, 4 * layer_passes,
+                          lay.expert))
   return out
 
 
@@ -220,20 +219,21 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
   (stages assumed balanced, as nanotron balances layers and head), plus recomputation
   (selective: the attention scores again, 2 H Dh s per layer and token; full: the forward)."""
   m, lay = model_spec(model), layout
-  tokens = lay.mbs * lay.ga * seq_len / lay.cp  # per model replica, per context shard
+  # per model replica, per context shard
+  tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
   per_layer = (m.active_matmul_params() - m.vocab_size * m.embed_dim) / m.num_layers
   attention = 6 * m.num_heads * m.head_dim * seq_len
   recompute = {"none": 0.0, "selective": attention / 3,
                "full": 2 * per_layer + attention / 3}[lay.remat]
   flops = m.num_layers * (6 * per_layer + attention + recompute) + 6 * m.vocab_size * m.embed_dim
-  return tokens * flops / (lay.tp * lay.pp)
+  return tokens * flops / (lay.tensor * lay.pipeline)
 
 
-def placement(layout: Layout, gpus_per_node: int, order: tuple = MESH_ORDER) -> dict[str, bool]:
+def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, bool]:
   """{axis: True if its groups stay inside a node}: inner axes fill a node first."""
   intra, inner = {}, 1
   for axis in reversed(order):
-    inner *= getattr(layout, LAYOUT_AXES[axis])
+    inner *= getattr(layout, axis)
     intra[axis] = inner <= gpus_per_node
   return intra
 
@@ -250,14 +250,14 @@ class StepTime:
 
 
 def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
-              order: tuple = MESH_ORDER) -> StepTime:
+              order: tuple = AXES) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
   kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
   optimizer update at HBM bandwidth."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
-  passes = 3 * lay.ga * lay.vpp * m.num_layers / lay.pp
+  passes = 3 * lay.microbatches * lay.virtual_stages * m.num_layers / lay.pipeline
   compute = hardware_flops_per_device(m, lay, seq_len) / (peak * hw.matmul_efficiency) + \
       passes * hw.layer_overhead_s
   intra = placement(lay, hw.gpus_per_node, order)
@@ -277,7 +277,8 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     else:
       stage_exposed += (1 - o) * t
   stage = compute + stage_exposed
-  bubble = stage * schedules.bubble_ratio(lay.schedule, lay.pp, lay.ga, lay.vpp)
+  bubble = stage * schedules.bubble_ratio(lay.pipeline_schedule, lay.pipeline, lay.microbatches,
+                                          lay.virtual_stages)
   mem = memory(m, lay, seq_len, precision, workspace_bytes=0)
   optimizer = 2 * mem.state / hw.hbm_bandwidth  # read and write params, grads, moments
   exposed = stage_exposed + dp_exposed + max(0.0, hidden - compute)

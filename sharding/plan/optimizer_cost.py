@@ -37,7 +37,7 @@ def muon_memory(model, layout: Layout, seq_len: int, precision: Precision, **kw)
   """estimate.memory with Muon for the hidden matrices: one momentum buffer where AdamW keeps two
   moments (the rest of the model keeps AdamW's two)."""
   mem = memory(model, layout, seq_len, precision, **kw)
-  per_device = muon_params(model) / (layout.tp * layout.pp * shards(layout)[2])
+  per_device = muon_params(model) / (layout.tensor * layout.pipeline * shards(layout)[2])
   return dataclasses.replace(mem, optimizer=mem.optimizer - precision.opt_bytes * per_device)
 
 
@@ -61,8 +61,8 @@ def muon_newton_schulz(model, layout: Layout, steps: int = 5, dtype: str = "floa
   the sharded algorithm, not a gathered-per-matrix one, which would move 2 m n per matrix.)
   """
   m = model_spec(model)
-  s = layout.tp * shards(layout)[2]
-  layers = m.num_layers / layout.pp
+  s = layout.tensor * shards(layout)[2]
+  layers = m.num_layers / layout.pipeline
   flops = wire = 0.0
   for count, a, b in muon_matrices(model):
     small, large = min(a, b), max(a, b)

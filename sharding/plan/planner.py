@@ -3,55 +3,10 @@ the valid ones ranked by predicted throughput (the playbook's "finding the best 
 
 import dataclasses
 
+from sharding.layout import REMATS, Layout
+from sharding.mesh import AXES
 from sharding.plan import hardware
-from sharding.plan.estimate import (GB, REMATS, SCHEDULES, Layout, Memory, ModelSpec, Precision,
-                               memory, model_spec)
-
-
-class LayoutSpecError(ValueError):
-  """A malformed layout string or an impossible layout."""
-
-
-_INT_KEYS = ("dp", "fsdp", "zero", "tp", "cp", "pp", "ep", "vpp", "mbs", "ga")
-
-
-def parse_layout(text: str) -> Layout:
-  """Parses "dp=4,tp=2,pp=2,zero=1,mbs=4,ga=16,remat=selective,sp=1,schedule=1f1b"."""
-  values = {}
-  for item in filter(None, (p.strip() for p in text.split(","))):
-    key, sep, value = item.partition("=")
-    key, value = key.strip(), value.strip()
-    if not sep or not value:
-      raise LayoutSpecError(f"layout item {item!r} must look like key=value")
-    if key in _INT_KEYS:
-      if not value.isdigit() or (int(value) < 1 and key != "zero"):
-        raise LayoutSpecError(f"layout {key}={value!r} must be a positive integer")
-      values[key] = int(value)
-    elif key == "sp":
-      if value.lower() not in ("0", "1", "true", "false"):
-        raise LayoutSpecError(f"layout sp={value!r} must be 0 or 1")
-      values[key] = value.lower() in ("1", "true")
-    elif key in ("remat", "schedule"):
-      allowed = REMATS if key == "remat" else SCHEDULES
-      if value not in allowed:
-        raise LayoutSpecError(f"layout {key}={value!r} is not one of {', '.join(allowed)}")
-      values[key] = value
-    else:
-      raise LayoutSpecError(f"unknown layout key {key!r}; keys: {', '.join(_INT_KEYS)}, sp,"
-                            " remat, schedule")
-  layout = Layout(**values)
-  check_layout(layout)
-  return layout
-
-
-def check_layout(layout: Layout) -> None:
-  """Raises LayoutSpecError for switches that contradict each other."""
-  if layout.zero not in (0, 1, 2, 3):
-    raise LayoutSpecError(f"layout zero={layout.zero} must be 0, 1, 2 or 3")
-  if layout.sp and layout.tp == 1:
-    raise LayoutSpecError("layout sp=1 needs tp > 1 (sequence parallelism splits over tensor)")
-  if layout.vpp > 1 and layout.schedule != "interleaved_1f1b":
-    raise LayoutSpecError(f"layout vpp={layout.vpp} needs schedule=interleaved_1f1b")
+from sharding.plan.estimate import GB, Memory, ModelSpec, Precision, memory, model_spec
 
 
 def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[str]:
@@ -59,18 +14,21 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
   m, lay, errors = model, layout, []
   for name, size in (("attention heads", m.num_heads), ("kv heads", m.num_kv_heads),
                      ("mlp dim", m.mlp_dim), ("vocab", m.vocab_size)):
-    if size % lay.tp:
-      errors.append(f"{name} {size} not divisible by tp={lay.tp}")
-  if m.num_layers % (lay.pp * lay.vpp):
-    errors.append(f"{m.num_layers} layers not divisible by pp={lay.pp} x vpp={lay.vpp}")
-  if lay.ep > 1 and (not m.moe or m.moe.num_experts % lay.ep):
-    errors.append(f"ep={lay.ep} needs a MoE whose expert count it divides")
-  if m.embed_dim % (lay.fsdp * (lay.dp if lay.zero else 1)):
+    if size % lay.tensor:
+      errors.append(f"{name} {size} not divisible by tensor={lay.tensor}")
+  if m.num_layers % (lay.pipeline * lay.virtual_stages):
+    errors.append(f"{m.num_layers} layers not divisible by pipeline={lay.pipeline} x"
+                  f" virtual stages {lay.virtual_stages}")
+  if lay.expert > 1 and (not m.moe or m.moe.num_experts % lay.expert):
+    errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
+  if m.embed_dim % (lay.fsdp * (lay.data if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
-  # Context parallelism cuts each sequence into 2 cp load-balanced chunks (zig-zag ring).
-  seq_split = lay.cp * (lay.tp if lay.sp else 1) * (2 if lay.cp > 1 else 1)
+  # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring).
+  seq_split = lay.context * (lay.tensor if lay.sequence_parallel else 1) * \
+      (2 if lay.context > 1 else 1)
   if seq_len % seq_split:
-    errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x cp, x tp under sp)")
+    errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, x tensor under"
+                  " sequence parallelism)")
   return errors
 
 
@@ -96,7 +54,7 @@ class Candidate:
 
 def evaluate(model, layout: Layout, seq_len: int, precision: Precision,
              hw: hardware.HardwareProfile, *, formula: str = "llama",
-             order: tuple = hardware.MESH_ORDER) -> Candidate:
+             order: tuple = AXES) -> Candidate:
   """Memory, step time and the fit verdict of one layout."""
   mem = memory(model, layout, seq_len, precision, formula=formula)
   time = hardware.step_time(model, layout, seq_len, precision, hw, order)
@@ -116,7 +74,7 @@ def divisors(n: int) -> list[int]:
 
 def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision: Precision,
          hw: hardware.HardwareProfile, *, max_mbs: int = 64, max_cp: int = 16,
-         order: tuple = hardware.MESH_ORDER) -> Plan:
+         order: tuple = AXES) -> Plan:
   """The playbook's step by step over every combination: (1) a model replica must fit (tensor
   within a node, then pipeline across nodes, ZeRO stage, recomputation); (2) data parallelism and
   accumulation reach the global batch; (3) the fitting layouts are ranked by predicted tokens/s."""
@@ -127,36 +85,38 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   batch = global_batch_tokens // seq_len
   rejected, ranked, considered = [], [], 0
   experts = [e for e in divisors(num_gpus) if m.moe and m.moe.num_experts % e == 0] or [1]
-  for tp in divisors(num_gpus):
-    if tp > hw.gpus_per_node:
-      rejected.append((f"tp={tp}", f"tensor parallelism across nodes ({tp} >"
+  for tensor in divisors(num_gpus):
+    if tensor > hw.gpus_per_node:
+      rejected.append((f"tensor={tensor}", f"tensor parallelism across nodes ({tensor} >"
                        f" {hw.gpus_per_node} GPUs per node); the mesh keeps tensor in a node"))
       continue
-    for pp in divisors(num_gpus // tp):
-      for cp in (c for c in divisors(num_gpus // (tp * pp)) if c <= max_cp):
-        for ep in (e for e in experts if (num_gpus // (tp * pp * cp)) % e == 0):
-          rest = num_gpus // (tp * pp * cp * ep)
-          base = Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=rest)
-          errors = divisibility_errors(m, base, seq_len)
+    for pipeline in divisors(num_gpus // tensor):
+      for context in (c for c in divisors(num_gpus // (tensor * pipeline)) if c <= max_cp):
+        for expert in (e for e in experts if (num_gpus // (tensor * pipeline * context)) % e == 0):
+          model_split = dict(tensor=tensor, pipeline=pipeline, context=context, expert=expert)
+          named = ",".join(f"{k}={v}" for k, v in model_split.items())
+          rest = num_gpus // (tensor * pipeline * context * expert)
+          errors = divisibility_errors(m, Layout(data=rest, **model_split), seq_len)
           if errors:
-            rejected.append((f"tp={tp},pp={pp},cp={cp},ep={ep}", "; ".join(errors)))
+            rejected.append((named, "; ".join(errors)))
             continue
-          for dp, fsdp, zero in _data_splits(rest):
-            shards = dp * fsdp * ep
+          for data, fsdp, zero in _data_splits(rest):
+            shards = data * fsdp * expert
             if batch % shards:
-              rejected.append((f"tp={tp},pp={pp},cp={cp},ep={ep},dp={dp},fsdp={fsdp}",
-                               f"global batch {batch} sequences not divisible by dp x fsdp x ep"
-                               f" = {shards}"))
+              rejected.append((f"{named},data={data},fsdp={fsdp}",
+                               f"global batch {batch} sequences not divisible by data x fsdp x"
+                               f" expert = {shards}"))
               continue
-            if m.embed_dim % (fsdp * (dp if zero else 1)):
+            if m.embed_dim % (fsdp * (data if zero else 1)):
               continue
             per_replica = batch // shards
             for mbs in (b for b in divisors(per_replica) if b <= max_mbs):
-              for extra in _switches(m, tp, pp):
-                lay = Layout(dp=dp, fsdp=fsdp, zero=zero, tp=tp, cp=cp, pp=pp, ep=ep, mbs=mbs,
-                             ga=per_replica // mbs, **extra)
+              for extra in _switches(m, tensor, pipeline):
+                lay = Layout(data=data, fsdp=fsdp, zero_stage=zero, micro_batch=mbs,
+                             microbatches=per_replica // mbs, **model_split, **extra)
                 considered += 1
-                if lay.sp and seq_len % (cp * tp * (2 if cp > 1 else 1)):
+                if lay.sequence_parallel and seq_len % (
+                    context * tensor * (2 if context > 1 else 1)):
                   continue
                 mem = memory(m, lay, seq_len, precision)
                 if mem.total > hw.memory_bytes:
@@ -169,7 +129,8 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
 
 
 def _data_splits(rest: int):
-  """(dp, fsdp, zero): plain DP and ZeRO-1/2 over `data`, FSDP, and hybrids of the two."""
+  """(data, fsdp, zero stage): plain data parallelism and ZeRO-1/2 over `data`, FSDP, and
+  hybrids of the two."""
   for zero in (0, 1, 2):
     if zero == 0 or rest > 1:
       yield rest, 1, zero
@@ -177,14 +138,15 @@ def _data_splits(rest: int):
     yield rest // fsdp, fsdp, 0
 
 
-def _switches(model, tp: int, pp: int):
+def _switches(model, tensor: int, pipeline: int):
   schedules = [("1f1b", 1)]
-  if pp > 1 and model.num_layers % (2 * pp) == 0:
+  if pipeline > 1 and model.num_layers % (2 * pipeline) == 0:
     schedules.append(("interleaved_1f1b", 2))
   for remat in REMATS:
-    for sp in ((False, True) if tp > 1 else (False,)):
+    for sp in ((False, True) if tensor > 1 else (False,)):
       for schedule, vpp in schedules:
-        yield dict(remat=remat, sp=sp, schedule=schedule, vpp=vpp)
+        yield dict(remat=remat, sequence_parallel=sp, pipeline_schedule=schedule,
+                   virtual_stages=vpp)
 
 
 def _too_big(mem: Memory, hw: hardware.HardwareProfile) -> str:
