@@ -11,7 +11,6 @@ copy; it leaves out the CUDA/NCCL workspace allowance (the compiled peak has non
 import argparse
 import dataclasses
 import json
-import os
 import time
 
 from configs import llama

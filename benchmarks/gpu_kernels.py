@@ -96,7 +96,7 @@ def _smoke_flash(rehearse: bool) -> dict:
 def _smoke_train_step(rehearse: bool) -> dict:
   from configs import llama
   from trainer.config import DataConfig
-  from trainer.loop import Trainer
+  from trainer.trainer import Trainer
   cfg = llama.debug()
   cfg.model.num_layers, cfg.model.dtype = 2, "bfloat16"
   cfg.model.attention_impl = "pallas_flash"  # the Pallas interpreter in a rehearsal

@@ -55,10 +55,11 @@ def main(argv=None) -> None:
   parser.add_argument("--rehearse", action="store_true", help="CPU, a tiny model: the code path")
   args = parser.parse_args(argv)
   import jax
-  from trainer.metrics import KNOWN_PEAK_FLOPS
+  from sharding.plan import hardware
   device = jax.devices()[0]
   # The data-sheet dense bf16 peak of this GPU (H100 SXM: 989 TFLOP/s); none on a CPU.
-  spec = next((f for name, f in KNOWN_PEAK_FLOPS.items() if name in device.device_kind), 0.0)
+  profile = hardware.profile_of_device(device.device_kind)
+  spec = profile.peak_bf16_flops if profile else 0.0
   fields = dict(benchmark="train_step", model="llama3_8b_dims", layers=args.layers,
                 attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16")
   tried = []

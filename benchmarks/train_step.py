@@ -137,7 +137,7 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
             trace_dir: str = "") -> dict:
   """Compiles and runs `cfg`; returns the measurement (see the module docstring)."""
   import jax
-  from trainer.loop import Trainer
+  from trainer.trainer import Trainer
   trainer = Trainer(cfg, devices)
   rep = trainer.compile()
   n = trainer.mesh.devices.size

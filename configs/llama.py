@@ -1,6 +1,6 @@
 """Llama presets: real model sizes (for planning and compiling) and tiny ones that train on CPU."""
 
-import dataclasses
+import copy
 
 from models.config import ModelConfig
 from sharding.mesh import MeshConfig
@@ -38,8 +38,9 @@ MODELS = {
 
 
 def model(name: str) -> ModelConfig:
-  """A fresh copy of a model preset."""
-  return dataclasses.replace(MODELS[name])
+  """A deep copy of a model preset: overriding its nested fields (fp8, moe) never reaches the
+  preset or another config built from it."""
+  return copy.deepcopy(MODELS[name])
 
 
 def debug() -> TrainConfig:

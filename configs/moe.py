@@ -1,5 +1,6 @@
 """MoE presets: a tiny one that trains on CPU, and Mixtral- and DeepSeek-V3-sized ones."""
 
+import copy
 import dataclasses
 
 from configs import llama
@@ -37,9 +38,8 @@ MODELS = {
 
 
 def model(name: str) -> ModelConfig:
-  """A fresh copy of a model preset (its MoEConfig copied too)."""
-  cfg = MODELS[name]
-  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe))
+  """A deep copy of a model preset (see configs.llama.model)."""
+  return copy.deepcopy(MODELS[name])
 
 
 def debug_moe() -> TrainConfig:

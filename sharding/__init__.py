@@ -1,4 +1,5 @@
-"""Public sharding API: the mesh, the logical rules, constrain() and state shardings."""
+"""Public sharding API (what runs in the step): the mesh, the logical rules, the resolved layout,
+constrain() and state shardings. The analysis rooms are sharding.plan and sharding.xla."""
 
 from sharding.collective_matmul import logical_all_gather_matmul, logical_matmul_reduce_scatter
 from sharding.context import (active, axes_of, constrain, constrain_tree, current, excluding,
@@ -14,12 +15,12 @@ from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, lookup
 from sharding.shard_map import shard_map_logical
 
 __all__ = [
-    "active", "axes_of",
-    "Layout", "RunLayout", "layout_of", "resolve",
-    "context_attention", "sequence_axes", "tokens_split", "zigzag",
-    "logical_all_gather_matmul", "logical_matmul_reduce_scatter",
-    "AXES", "BATCH_AXES", "DEFAULT_RULES", "LayoutError", "MeshConfig", "constrain",
-    "constrain_tree", "current", "dropless_experts", "excluding", "gradient_replica_axes", "is_names", "layout_rules", "logical_to_spec", "lookup_moves_rows", "make_mesh",
-    "mesh_sizes", "named_sharding", "parse_overrides", "record_constraints", "replicated",
-    "role_rules", "shard_map_logical", "spec", "split_across_hosts", "split_vocab_over_fsdp", "tree_shardings", "use_rules", "with_overrides",
+    "active", "AXES", "axes_of", "BATCH_AXES", "constrain", "constrain_tree", "context_attention",
+    "current", "DEFAULT_RULES", "dropless_experts", "excluding", "gradient_replica_axes",
+    "is_names", "Layout", "layout_of", "layout_rules", "LayoutError", "logical_all_gather_matmul",
+    "logical_matmul_reduce_scatter", "logical_to_spec", "lookup_moves_rows", "make_mesh",
+    "mesh_sizes", "MeshConfig", "named_sharding", "parse_overrides", "record_constraints",
+    "replicated", "resolve", "resolve_sizes", "role_rules", "RunLayout", "sequence_axes",
+    "shard_map_logical", "spec", "split_across_hosts", "split_vocab_over_fsdp", "tokens_split", "tree_shardings",
+    "use_rules", "with_overrides", "zigzag",
 ]

@@ -223,20 +223,16 @@ class RunLayout:
 
   def bind(self, fn):
     """`fn` running inside this layout's context: `jax.jit(run_layout.bind(step))` traces the
-    step with its mesh and rules whether or not the caller opened the context. Inside this
-    layout's own context (e.g. while recording constraints) it runs as it is."""
+    step with its mesh and rules wherever it is called, outside any context or inside another
+    layout's. Inside its own context (e.g. one recording constraints) it runs as it is."""
     @functools.wraps(fn)
     def bound(*args, **kwargs):
       ctx = active()
-      if ctx is None:
-        with self.context():
-          return fn(*args, **kwargs)
-      if (ctx.mesh, ctx.rules, ctx.zero_stage) != (self.mesh, self.rules,
-                                                    self.layout.zero_stage):
-        raise LayoutError(f"{getattr(fn, '__name__', 'a function')} of layout"
-                          f" {self.layout.string()} was traced inside another layout's context"
-                          f" (mesh {dict(ctx.mesh.shape)}); call it outside that context")
-      return fn(*args, **kwargs)
+      if ctx is not None and (ctx.mesh, ctx.rules, ctx.zero_stage) == (
+          self.mesh, self.rules, self.layout.zero_stage):
+        return fn(*args, **kwargs)
+      with self.context():
+        return fn(*args, **kwargs)
     return bound
 
   def describe(self) -> str:

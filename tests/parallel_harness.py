@@ -1,4 +1,4 @@
-"""Runs the tiny Llama's real train step (trainer.loop.Trainer) under a layout, for comparisons."""
+"""Runs the tiny Llama's real train step (trainer.trainer.Trainer) under a layout, for comparisons."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import sharding
 from models import ModelConfig
 from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 from trainer.state import make_init_fn, state_shardings
 from trainer.step import make_grads_fn
 

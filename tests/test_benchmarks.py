@@ -14,7 +14,7 @@ import pytest
 
 from sharding import MeshConfig
 from trainer.config import DataConfig, TrainConfig
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))

@@ -16,6 +16,7 @@ import pytest
 from configs import llama
 from sharding import MeshConfig
 from trainer import checkpoint, loop
+from trainer.trainer import Trainer
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +151,7 @@ def test_nan_skip_skips_exactly_that_step(tmp_path):
   loop.run(tiny_run(inject_nan_at_step=6, nan_policy="skip"), str(tmp_path))
   skipped = {step: row["skipped"] for step, row in rows(tmp_path).items()}
   assert skipped == {s: float(s == 6) for s in range(1, 9)}
-  trainer = loop.Trainer(tiny_run())
+  trainer = Trainer(tiny_run())
   state, _, _ = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), trainer.cfg.checkpoint) \
       .restore(8, _target(trainer), trainer.iterator("train"), vars(trainer.cfg.model))
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
@@ -176,7 +177,7 @@ def test_restore_into_other_layouts_and_device_counts(tmp_path):
                               ("4 devices", MeshConfig(data=1, fsdp=2, tensor=2),
                                jax.devices()[:4])]:
     cfg = tiny_run(mesh=mesh)
-    trainer = loop.Trainer(cfg, devices)
+    trainer = Trainer(cfg, devices)
     state, _, _ = checkpoint.Checkpointer(str(source / "checkpoints"), cfg.checkpoint).restore(
         3, _target(trainer), trainer.iterator("train"), vars(cfg.model))
     assert jax.tree.leaves(state.params)[0].sharding.mesh.devices.size == len(

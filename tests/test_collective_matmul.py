@@ -16,7 +16,7 @@ from sharding import collective_matmul as cm
 from sharding.xla import hlo, overlap
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training, reference  # noqa: F401
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = ("batch", "res_seq", "act_embed")  # the sequence-parallel residual stream

@@ -15,7 +15,7 @@ from sharding.context_parallel import zigzag_permutation
 from tests import parallel_harness as harness
 from tests.test_parallel import GRAD_RTOL, assert_same_training, reference  # noqa: F401
 from trainer.config import DataConfig, TrainConfig
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 ALLGATHER = dataclasses.replace(harness.MODEL, context_impl="allgather")
 

@@ -158,7 +158,7 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
   from models.attention import _flash_per_device
   model = dataclasses.replace(parallel_harness.MODEL, attention_impl="pallas_flash")
   cfg = parallel_harness.config(sharding.MeshConfig(data=4, context=2), model=model)
-  from trainer.loop import Trainer
+  from trainer.trainer import Trainer
   trainer = Trainer(cfg)
   q = jax.ShapeDtypeStruct((8, 16, 16, 8), jnp.float32)
   kv = jax.ShapeDtypeStruct((8, 16, 8, 8), jnp.float32)

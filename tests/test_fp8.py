@@ -23,13 +23,13 @@ import pytest
 
 from configs import llama
 from models.config import Fp8Config
-from models.fp8 import E4M3, E5M2, FP8_HISTORY, fp8_einsum, scale_from_history
+from models.fp8 import E4M3, E5M2, fp8_einsum, scale_from_history
 from sharding import MeshConfig
 from sharding.xla import compiled
 from tests import parallel_harness as harness
 from tests import training_runs
 from trainer.compile import compile_for_gpus
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 FP8 = Fp8Config(enabled=True, amax_history=4)
 

@@ -17,7 +17,7 @@ from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_fp8 import dot_operand_types
 from tests.test_parallel import GRAD_RTOL, LOSS_RTOL, UPDATE_RTOL, relative_l2
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def train(gpu, workdir, *extra):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if not gpu.rehearsal:
     env["XLA_FLAGS"] = "--xla_gpu_deterministic_ops=true"
-  command = [sys.executable, "-c", "from trainer.host_memory import meshtron; meshtron()",
+  command = [sys.executable, "-c", "from trainer.cli import main; main()",
              *RUN, f"--workdir={workdir}", *extra]
   return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 

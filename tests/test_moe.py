@@ -195,7 +195,7 @@ def test_config_validation_errors():
 
 def test_experts_must_divide_the_expert_axis():
   from tests import parallel_harness as harness
-  from trainer.loop import Trainer
+  from trainer.trainer import Trainer
   cfg = harness.config(sharding.MeshConfig(data=2, expert=4), moe=dataclasses.replace(
       NO_DROPS, num_experts=6, experts_per_token=2))
   with pytest.raises(ValueError, match=r"experts=6 cannot be split over expert=4"):

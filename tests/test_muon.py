@@ -18,7 +18,7 @@ from models import param_names
 from models.builder import init_params
 from sharding import MeshConfig
 from sharding.layout import Layout
-from sharding.plan import estimate, optimizer_cost
+from sharding.plan import optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_parallel import assert_same_training

@@ -10,7 +10,7 @@ from sharding import MeshConfig, schedules
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 MODELS = {layers: dataclasses.replace(harness.MODEL, num_layers=layers) for layers in (4, 8, 16)}
 

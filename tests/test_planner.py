@@ -212,7 +212,7 @@ def test_calibration_points_are_reproduced_within_a_quarter():
 def meshtron(*args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)
-  return subprocess.run([sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=120)
 
 

@@ -26,7 +26,7 @@ from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_step import TINY, one_device_state, random_batch
 from trainer.config import OptimConfig, StepConfig, TrainConfig
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 from models import param_names
 from trainer.step import make_train_step
 

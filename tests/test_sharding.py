@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -11,7 +10,7 @@ from configs import llama
 from sharding import LayoutError, MeshConfig
 from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, lookup_moves_rows,
                             role_rules, split_vocab_over_fsdp)
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sharding_debug.txt")
 SIZES = {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}

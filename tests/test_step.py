@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import sharding
 from models import ModelConfig, abstract_model, param_names

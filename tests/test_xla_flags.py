@@ -11,7 +11,7 @@ from sharding import MeshConfig
 from sharding.xla import compiled, presets
 from trainer.compile import compile_for_gpus
 from trainer.config import compiler_options
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 VERSIONS = f"jax {jax.__version__}, jaxlib"
 SIZES = dict(data=1, pipeline=1, fsdp=8, expert=1, context=1, tensor=1)

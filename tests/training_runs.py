@@ -8,7 +8,7 @@ import jax
 
 from configs import llama
 from models.config import Fp8Config
-from trainer.loop import Trainer
+from trainer.trainer import Trainer
 
 
 def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: str = "adamw"):

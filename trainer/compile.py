@@ -23,7 +23,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
   """Compiles the train step from abstract inputs (nothing allocated) on `devices`."""
   import jax
 
-  from trainer.loop import Trainer  # after the caller configured JAX's platforms and devices
+  from trainer.trainer import Trainer  # after the caller configured JAX's platforms and devices
   devices = jax.devices() if devices is None else devices
   trainer = Trainer(cfg, devices)
   start = time.perf_counter()

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -15,7 +14,7 @@ from models import abstract_model, hf, param_names
 from models.config import ModelConfig
 from trainer.checkpoint import ITEMS, CheckpointError
 from trainer.config import TrainConfig, config_from_dict
-from trainer.state import TrainState
+from trainer.state import TrainState, fresh_state
 from trainer.tokenizer import ByteTokenizer
 
 PREFIX = "hf:"
@@ -58,14 +57,8 @@ def init_state_from_hf(trainer) -> TrainState:
   model_dir = cfg.init_from[len(PREFIX):]
   with trainer.context():
     params = hf.load_params(model_dir, cfg.model, trainer.shardings.params)
-
-    def fresh(params):  # as trainer.state.make_init_fn, with the given params
-      _, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                        opt_state=trainer.tx.init(params), rng=state_key,
-                        loss_ema=jnp.zeros((), jnp.float32))
-
-    state = jax.jit(fresh, out_shardings=trainer.shardings, donate_argnums=0)(params)
+    state = jax.jit(lambda p: fresh_state(p, trainer.tx, cfg.seed),
+                    out_shardings=trainer.shardings, donate_argnums=0)(params)
   logging.info("initialized the parameters from %s", model_dir)
   return state
 

@@ -13,7 +13,7 @@ step: 0–500 faults per step, and the step went from 9.5 s to 5.9 s.
 
 glibc reads GLIBC_TUNABLES once, at process start. So the command-line entry points call
 `reexec_with_tunables()` first, and the process replaces itself (same pid, same arguments) once;
-the `meshtron` script does it before importing anything heavy (`meshtron()` below).
+the `meshtron` script (trainer/cli.py) does it before importing anything heavy.
 Notebooks and other embedders can set the variable before starting Python (see README).
 """
 
@@ -49,14 +49,6 @@ def reexec_with_tunables() -> None:
   first thing in a command-line entry point (before JAX or threads start)."""
   if wanted():
     os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], tunables_env())
-
-
-def meshtron() -> None:
-  """The `meshtron` console script: restarts under TUNABLES first, so the CLI's imports (JAX,
-  the configs) happen once, then runs trainer.main."""
-  reexec_with_tunables()
-  from trainer.main import run  # pylint: disable=import-outside-toplevel
-  run()
 
 
 if __name__ == "__main__":

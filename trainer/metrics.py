@@ -10,14 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-# Dense bf16 peak FLOP/s per device from the vendors' data sheets (no sparsity).
-KNOWN_PEAK_FLOPS = {
-    "H100": 989e12,  # H100 SXM
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-}
-
+from sharding.plan import hardware
 
 def measure_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:
   """Best-of-`repeats` FLOP/s of a square matmul on the first device (the machine's ceiling)."""
@@ -35,13 +28,15 @@ def measure_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int 
 def peak_flops(dtype: str) -> tuple[float, str]:
   """(peak FLOP/s of the whole machine, where the number came from) for the MFU denominator.
 
-  GPUs: the data-sheet peak per device times the device count. CPU: one measured matmul, since
-  fake CPU devices share the same cores.
+  GPUs: the data-sheet dense bf16 peak per device (sharding/plan/hardware.py, the one home of GPU
+  figures) times the device count. CPU: one measured matmul, since fake CPU devices share the
+  same cores.
   """
   kind = jax.devices()[0].device_kind
-  for name, flops in KNOWN_PEAK_FLOPS.items():
-    if name in kind:
-      return flops * jax.device_count(), f"{name} data sheet x {jax.device_count()}"
+  profile = hardware.profile_of_device(kind)
+  if profile is not None:
+    return (profile.peak_bf16_flops * jax.device_count(),
+            f"{profile.name} data sheet x {jax.device_count()}")
   return measure_matmul_flops(dtype), f"measured {dtype} matmul on {kind}"
 
 

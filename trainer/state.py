@@ -22,13 +22,23 @@ class TrainState(struct.PyTreeNode):
   loss_ema: jax.Array  # float32 running average of the loss (the loss-spike guard's baseline)
 
 
+def _keys(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(parameter init key, the state's RNG key) of a run's seed."""
+  params_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
+  return params_key, state_key
+
+
+def fresh_state(params, tx: optax.GradientTransformation, seed: int) -> TrainState:
+  """Step 0 around `params`: a new optimizer state, the run's RNG key, no loss history."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                    rng=_keys(seed)[1], loss_ema=jnp.zeros((), jnp.float32))
+
+
 def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
-  """A pure function () -> TrainState for jax.eval_shape and jit(out_shardings=...)."""
+  """A pure function () -> TrainState for jax.eval_shape and jit(out_shardings=...): random
+  parameters (trainer/convert.py starts from Hugging Face weights with `fresh_state` instead)."""
   def init() -> TrainState:
-    params_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
-    params = init_params(model_cfg, params_key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=state_key, loss_ema=jnp.zeros((), jnp.float32))
+    return fresh_state(init_params(model_cfg, _keys(seed)[0]), tx, seed)
   return init
 
 

@@ -5,10 +5,9 @@ formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: s
 """
 
 import dataclasses
-import math
 
 from sharding import schedules
-from sharding.layout import REMATS, Layout
+from sharding.layout import Layout
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.

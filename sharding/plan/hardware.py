@@ -8,7 +8,7 @@ import os
 from sharding import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
-from sharding.plan.estimate import ModelSpec, Precision, memory, model_spec, param_counts
+from sharding.plan.estimate import Precision, memory, model_spec, param_counts
 
 # nanotron (the playbook's benchmarks) nests ranks as (pp, dp, tp): data parallelism inside nodes.
 NANOTRON_ORDER = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
@@ -59,6 +59,13 @@ PROFILES = {
     "a100": HardwareProfile("a100", 80e9, 312e12, 312e12, 2.039e12, 300e9, 25e9),
     "b200": HardwareProfile("b200", 180e9, 2250e12, 4500e12, 8e12, 900e9, 50e9),
 }
+
+
+def profile_of_device(device_kind: str) -> HardwareProfile | None:
+  """The built-in profile of a JAX device kind (e.g. "NVIDIA H100 80GB HBM3"); None for others
+  (CPUs, unknown GPUs)."""
+  kind = device_kind.lower()
+  return next((p for name, p in PROFILES.items() if name in kind), None)
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -1,37 +1,14 @@
-"""`meshtron memory` and `meshtron plan`: the estimator and planner behind flags, tables, JSON,
-a stacked-bar plot and the chosen layout written as a config file for `meshtron train`."""
+"""`meshtron memory` and `meshtron plan` (flags in trainer/cli.py): the estimator and planner
+behind tables, JSON, a stacked-bar plot and the chosen layout written as a config file for
+`meshtron train`."""
 
 import dataclasses
 import json
 import sys
 import time
 
-from absl import flags
-
 import sharding.layout
 from sharding.plan import estimate, hardware, planner
-
-_MODEL = flags.DEFINE_string("model", "", "memory/plan: model preset (e.g. llama3_70b,"
-                             " playbook_8b, mixtral_8x7b); memory without it reads --config")
-_GPU = flags.DEFINE_string("gpu", "h100", "memory/plan: h100, h200, a100, b200 or a profile .json")
-_SEQ = flags.DEFINE_integer("seq", 4096, "memory/plan: sequence length")
-_LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. data=4,tensor=2,pipeline=2,zero=1,mbs=4,"
-                              "ga=16,remat=selective,sp=1,schedule=1f1b (also fsdp=, context=,"
-                              " expert=, vpp=; aliases dp=, tp=, pp=, cp=, ep=)")
-_PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook (bf16 + fp32"
-                                 " master, Adam fp32), playbook_fp32_accum, fp32, or trainer"
-                                 " (what trainer/ stores today: fp32 params, grads and moments)")
-_PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
-_GPUS = flags.DEFINE_integer("gpus", 0, "plan: number of GPUs (default nodes x gpus_per_node);"
-                             " memory --config: devices the mesh fills")
-_NODES = flags.DEFINE_integer("nodes", 1, "plan: number of nodes")
-_GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "plan: GPUs per node (default: the"
-                                      " profile's, 8)")
-_BATCH = flags.DEFINE_string("global_batch_tokens", "1M", "plan: tokens per step (1M = 2**20)")
-_TOP = flags.DEFINE_integer("top_k", 10, "plan: layouts to print")
-_OUT = flags.DEFINE_string("out", "", "plan: config file to write for the best layout (default"
-                           " plan_<model>_<gpus>.py)")
-
 
 def parse_tokens(text: str) -> int:
   """"1M" -> 1048576, "512K" -> 524288, "4096" -> 4096."""
@@ -71,7 +48,8 @@ def format_memory(cand: planner.Candidate, title: str, hw: hardware.HardwareProf
            "memory per GPU (GB = 1e9 bytes):"]
   lines += [f"  {name:<26}{value / estimate.GB:10.2f} GB" for name, value in rows]
   lines.append(f"  {'total':<26}{m.total / estimate.GB:10.2f} GB of"
-               f" {hw.memory_bytes / estimate.GB:.0f} GB: {'fits' if cand.fits else 'DOES NOT FIT'}")
+               f" {hw.memory_bytes / estimate.GB:.0f} GB:"
+               f" {'fits' if cand.fits else 'DOES NOT FIT'}")
   lines.append(f"predicted step {t.step_s:.3f} s (compute {t.compute_s:.3f}, bubble"
                f" {t.bubble_s:.3f}, exposed communication {t.exposed_comm_s:.3f});"
                f" {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {t.mfu:.1%}")
@@ -104,52 +82,56 @@ def plot_memory(cand: planner.Candidate, path: str, title: str,
   plt.close(fig)
 
 
-def run_memory(config, config_given: bool) -> None:
-  hw = hardware.load_profile(_GPU.value)
-  if _MODEL.value:
-    model = model_by_name(_MODEL.value)
-    layout = sharding.layout.parse(_LAYOUT.value)
-    precision, seq, title = precision_by_name(_PRECISION.value), _SEQ.value, _MODEL.value
+def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str, seq: int,
+               precision: str, plot: str, gpus: int, as_json: bool) -> None:
+  """The memory breakdown and predicted step of one layout: of a preset `model` under `layout`,
+  or of the TrainConfig `config` on `gpus` devices (default a node)."""
+  hw = hardware.load_profile(gpu)
+  if model:
+    spec, lay = model_by_name(model), sharding.layout.parse(layout)
+    chosen, title = precision_by_name(precision), model
   else:
-    if _LAYOUT.value or not config_given:
+    if layout or not config_given:
       raise ValueError("memory needs --model=NAME --layout=... or --config=PRESET|file.py")
-    model = estimate.model_spec(config.model)
-    layout = config.layout(_GPUS.value or hw.gpus_per_node)
-    precision = estimate.trainer_precision(config.model.dtype, config.model.param_dtype)
+    spec, lay = estimate.model_spec(config.model), config.layout(gpus or hw.gpus_per_node)
+    chosen = estimate.trainer_precision(config.model.dtype, config.model.param_dtype)
     seq, title = config.seq_len, f"{config.model.num_params() / 1e9:.2f}B-parameter model"
-  errors = planner.divisibility_errors(model, layout, seq)
+  errors = planner.divisibility_errors(spec, lay, seq)
   if errors:
-    raise ValueError(f"layout {layout.string()}: {'; '.join(errors)}")
-  cand = planner.evaluate(model, layout, seq, precision, hw)
-  title = f"{title}, seq {seq}, {precision.name}, {hw.name}"
-  if _json():
+    raise ValueError(f"layout {lay.string()}: {'; '.join(errors)}")
+  cand = planner.evaluate(spec, lay, seq, chosen, hw)
+  title = f"{title}, seq {seq}, {chosen.name}, {hw.name}"
+  if as_json:
     print(json.dumps(dict(cand.summary(), model=title)))
   else:
     print(format_memory(cand, title, hw))
-  if _PLOT.value:
-    plot_memory(cand, _PLOT.value, title, hw)
-    if not _json():
-      print(f"wrote {_PLOT.value}")
+  if plot:
+    plot_memory(cand, plot, title, hw)
+    if not as_json:
+      print(f"wrote {plot}")
 
 
-def run_plan() -> None:
+def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int, seq: int,
+             global_batch_tokens: str, precision: str, top_k: int, out: str,
+             as_json: bool) -> None:
+  """The ranked layouts of a preset `model` on a cluster, and a config file for the best."""
   start = time.perf_counter()
-  hw = hardware.load_profile(_GPU.value)
-  if _GPUS_PER_NODE.value:
-    hw = dataclasses.replace(hw, gpus_per_node=_GPUS_PER_NODE.value)
-  if not _MODEL.value:
+  hw = hardware.load_profile(gpu)
+  if gpus_per_node:
+    hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
+  if not model:
     raise ValueError("plan needs --model=NAME (e.g. --model=llama3_70b)")
-  model = model_by_name(_MODEL.value)
-  gpus = _GPUS.value or _NODES.value * hw.gpus_per_node
-  precision = precision_by_name(_PRECISION.value)
-  result = planner.plan(model, gpus, _SEQ.value, parse_tokens(_BATCH.value), precision, hw)
-  best = result.ranked[: _TOP.value]
-  if _json():
+  spec = model_by_name(model)
+  gpus = gpus or nodes * hw.gpus_per_node
+  chosen = precision_by_name(precision)
+  tokens = parse_tokens(global_batch_tokens)
+  result = planner.plan(spec, gpus, seq, tokens, chosen, hw)
+  best = result.ranked[:top_k]
+  if as_json:
     print(json.dumps([c.summary() for c in best]))
   else:
-    print(f"{_MODEL.value} ({model.num_params() / 1e9:.2f}B) on {gpus} x"
-          f" {hardware.gpu_summary(hw)}; seq {_SEQ.value}, {parse_tokens(_BATCH.value):,} tokens"
-          f" per step, {precision.name}")
+    print(f"{model} ({spec.num_params() / 1e9:.2f}B) on {gpus} x {hardware.gpu_summary(hw)};"
+          f" seq {seq}, {tokens:,} tokens per step, {chosen.name}")
     print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit,"
           f" {len(result.rejected):,} rejected ({time.perf_counter() - start:.2f} s)")
     print(f"{'#':>3}  {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GB/GPU':>7}  layout")
@@ -159,9 +141,9 @@ def run_plan() -> None:
     print("rejected, by reason:")
     print("\n".join(planner.rejection_summary(result.rejected)))
   if not best:
-    raise ValueError(f"no layout of {_MODEL.value} fits on {gpus} {hw.name} GPUs")
-  path = _OUT.value or f"plan_{_MODEL.value}_{gpus}.py"
-  if write_config(path, _MODEL.value, best[0].layout, _SEQ.value) and not _json():
+    raise ValueError(f"no layout of {model} fits on {gpus} {hw.name} GPUs")
+  path = out or f"plan_{model}_{gpus}.py"
+  if write_config(path, model, best[0].layout, seq) and not as_json:
     print(f"wrote {path}: meshtron train --config={path}")
 
 
@@ -191,15 +173,3 @@ def get_config():
   with open(path, "w") as f:
     f.write(text)
   return True
-
-
-def _json() -> bool:
-  return bool(flags.FLAGS["json"].value)  # defined by trainer/main.py
-
-
-def run(verb: str, config, config_given: bool) -> None:
-  """Entry from trainer/main.py; ValueErrors become one-line errors there."""
-  if verb == "memory":
-    run_memory(config, config_given)
-  else:
-    run_plan()

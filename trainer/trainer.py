@@ -1,0 +1,140 @@
+"""The Trainer: everything built once for a run (layout, model, optimizer, shardings, jitted
+steps), abstract until `init_state()` materializes the state directly into its shardings."""
+
+import time
+
+import jax
+
+import sharding
+from models import abstract_model, param_names
+from sharding import report
+from sharding.xla import compiled, presets
+from trainer import data
+from trainer.config import TrainConfig, compiler_options
+from trainer.optim import make_optimizer
+from trainer.state import make_init_fn, state_shardings
+from trainer.step import BATCH_KEYS, make_eval_step, make_train_step
+from trainer.tokenizer import make_tokenizer
+
+
+class Trainer:
+  """Everything built once for a run: mesh, rules, model, optimizer, shardings and jitted steps.
+
+  Construction is abstract (nothing allocated), so a dry run can describe any model size;
+  `init_state()` materializes the state directly into its shardings.
+  """
+
+  def __init__(self, cfg: TrainConfig, devices=None):
+    cfg.validate()
+    self.cfg = cfg
+    self.tokenizer = make_tokenizer(cfg.data.tokenizer)
+    if self.tokenizer.vocab_size > cfg.model.vocab_size:
+      raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is"
+                       f" {cfg.model.vocab_size}; set --config.model.vocab_size to at least that")
+    # The whole layout, resolved once (sharding/layout.py): mesh, rules and their decisions.
+    self.layout = sharding.resolve(cfg.mesh, jax.devices() if devices is None else devices,
+                                   cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                   microbatches=cfg.microbatches,
+                                   rule_overrides=cfg.sharding_rules)
+    self.mesh, self.rules = self.layout.mesh, self.layout.rules
+    with self.context():
+      self.graphdef, abstract_params = abstract_model(cfg.model)
+      self.names = param_names(cfg.model)
+      self.param_rows = report.param_rows(self.names, abstract_params)
+      report.check_replication(self.param_rows, cfg.max_replicated_fraction,
+                               self.layout.layout.rules(cfg.model.vocab_size, cfg.seq_len))
+      self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
+      self._init = make_init_fn(cfg.model, self.tx, cfg.seed)
+      self.abstract_state = jax.eval_shape(self._init)
+      self.shardings = state_shardings(self.abstract_state, self.names, self.tx)
+      shape = (cfg.batch_size, cfg.seq_len)
+      self.batch_sharding = {
+          k: sharding.named_sharding(("batch", "seq"), shape, f"batch/{k}") for k in BATCH_KEYS}
+      replicated = sharding.replicated()
+      options = presets.check_options(  # fails at start-up, not deep in a run
+          compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
+      # Bound to the layout: whoever traces them, they trace with this mesh and these rules.
+      self.step_fn = self.layout.bind(make_train_step(self.graphdef, self.names, self.tx,
+                                                      self.lr, cfg.step()))
+      self.train_step = jax.jit(self.step_fn, in_shardings=(self.shardings, self.batch_sharding),
+                                out_shardings=(self.shardings, replicated), donate_argnums=0,
+                                compiler_options=options or None)
+      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, cfg.step())),
+                               in_shardings=(self.shardings.params, self.batch_sharding),
+                               out_shardings=replicated)
+    self.state = None
+    self.compiled_step = None  # set by compile()
+
+  def compile(self) -> "compiled.CompiledReport":
+    """Compiles the train step ahead of time (the program training runs) and refuses a layout
+    whose compiled peak memory exceeds the device memory."""
+    start = time.perf_counter()
+    with self.context():
+      executable = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+    self.compiled_step = executable
+    rep = compiled.report(executable, "local", list(self.mesh.devices.flat),
+                          time.perf_counter() - start)
+    limit = self.cfg.device_memory_gib * 2**30 or _device_memory_limit()
+    if limit and not compiled.fits(rep, limit)[0]:
+      raise ValueError(
+          f"the compiled train step needs {rep.memory['peak'] / 2**30:.2f} GiB per device (peak:"
+          f" arguments {rep.memory['argument'] / 2**30:.2f}, temporaries"
+          f" {rep.memory['temp'] / 2**30:.2f}) but the device has {limit / 2**30:.2f} GiB; shard"
+          " more (fsdp, tensor, zero_stage), recompute more (model.remat) or shrink the batch")
+    return rep
+
+  def init_state(self) -> None:
+    """Creates the train state sharded from the start (no unsharded copy ever exists)."""
+    with self.context():
+      self.state = jax.jit(self._init, out_shardings=self.shardings)()
+
+  def abstract_batch(self) -> dict:
+    return {k: jax.ShapeDtypeStruct((self.cfg.batch_size, self.cfg.seq_len),
+                                    "float32" if k == "loss_mask" else "int32", sharding=sh)
+            for k, sh in self.batch_sharding.items()}
+
+  def sharding_report(self) -> str:
+    """Every parameter (shape, logical names, spec, bytes per device) and every activation
+    constraint of the train step, traced abstractly."""
+    with self.context(), sharding.record_constraints() as recorded:
+      jax.eval_shape(self.step_fn, self.abstract_state, self.abstract_batch())
+    per_device = sum(r.bytes_per_device for r in self.param_rows)
+    return "\n".join([
+        self.layout.describe(),
+        "parameters:", report.format_rows(self.param_rows),
+        f"parameter bytes per device: {per_device:,}"
+        f" ({report.replicated_fraction(self.param_rows):.1%} of bytes replicated)",
+        "activations:", report.format_rows(report.activation_rows(recorded), with_bytes=False)])
+
+  def context(self):
+    return self.layout.context()
+
+  def iterator(self, split: str):
+    return data.make_iterator(self.cfg, self.tokenizer, split, jax.process_index(),
+                              jax.process_count())
+
+  def to_device(self, local_batch: dict) -> dict:
+    """Host-local numpy rows -> global arrays sharded on (batch, seq)."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding[k], local_batch[k])
+            for k in BATCH_KEYS}
+
+  def evaluate(self) -> float:
+    """Mean eval loss over the same `eval_batches` batches every time."""
+    if self.cfg.data.eval_fraction == 0 or self.cfg.data.source == "synthetic":
+      it = None
+    else:
+      it = self.iterator("eval")
+    if it is None:
+      return float("nan")
+    nll, tokens = 0.0, 0.0
+    with self.context():
+      for _ in range(self.cfg.eval_batches):
+        out = jax.device_get(self.eval_step(self.state.params, self.to_device(next(it))))
+        nll, tokens = nll + float(out["nll_sum"]), tokens + float(out["tokens"])
+    return nll / max(tokens, 1.0)
+
+
+def _device_memory_limit() -> int:
+  """Bytes per device where the backend reports a limit (GPUs); 0 when unknown (CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return int(stats.get("bytes_limit", 0))
