@@ -8,11 +8,10 @@ Rehearsal lines (gpu_check.py --rehearse: the CPU) are never reported as GPU res
   python benchmarks/gpu_report.py [--results benchmarks/results/gpu] [--readme README.md]
 """
 
-import argparse
 import collections
 import os
 
-from report import replace_section, rows
+from report import rows, section_main
 
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 PHASES = ("smoke", "tests", "kernels", "train")
@@ -159,18 +158,8 @@ def render(results: str) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results",
-                                                        "gpu"))
-  parser.add_argument("--readme", default="")
-  args = parser.parse_args()
-  text = render(args.results)
-  if not args.readme:
-    print(text, end="")
-    return
-  replace_section(args.readme, BEGIN, END, text)
-  print(f"wrote the GPU results section of {args.readme}")
+  section_main(__doc__, render, os.path.join(os.path.dirname(__file__), "results", "gpu"), BEGIN,
+               END, "GPU results")
 
 
 if __name__ == "__main__":

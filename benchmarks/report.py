@@ -166,18 +166,25 @@ def replace_section(readme_path: str, begin: str, end: str, text: str) -> None:
     f.write(f"{head}{begin}\n{text}{end}{tail}")
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+def section_main(doc: str, render_fn, results: str, begin: str, end: str, name: str) -> None:
+  """The command line of a README-section writer: prints the section rendered from --results,
+  or with --readme FILE writes it between the markers `begin` and `end` of FILE."""
+  parser = argparse.ArgumentParser(description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--results", default=results)
   parser.add_argument("--readme", default="")
   args = parser.parse_args()
-  text = render(args.results)
+  text = render_fn(args.results)
   if not args.readme:
     print(text, end="")
     return
-  replace_section(args.readme, BEGIN, END, text)
-  print(f"wrote the results section of {args.readme}")
+  replace_section(args.readme, begin, end, text)
+  print(f"wrote the {name} section of {args.readme}")
+
+
+def main() -> None:
+  section_main(__doc__, render, os.path.join(os.path.dirname(__file__), "results"), BEGIN, END,
+               "results")
 
 
 if __name__ == "__main__":
