@@ -48,7 +48,9 @@ DEFAULT_RULES: Rules = (
 
 
 def parse_overrides(text: str) -> dict[str, tuple[str, ...]]:
-  """Parses "embed=fsdp+data;mlp=tensor;norm=" into {name: axes}."""
+  """Parses "embed=fsdp+data;mlp=tensor;norm=" into {name: axes}; the names must be the table's
+  (a misspelt name would otherwise change nothing, silently)."""
+  known = [name for name, _ in DEFAULT_RULES]
   overrides = {}
   for item in filter(None, (part.strip() for part in text.split(";"))):
     name, sep, axes = item.partition("=")
@@ -60,6 +62,9 @@ def parse_overrides(text: str) -> dict[str, tuple[str, ...]]:
     if unknown:
       raise LayoutError(f"sharding rule {item!r} names unknown mesh axes {unknown}; axes are"
                         f" {', '.join(AXES)}")
+    if name.strip() not in known:
+      raise LayoutError(f"sharding rule {item!r} names no logical dim; logical dims:"
+                        f" {', '.join(known)}")
     overrides[name.strip()] = axes
   return overrides
 

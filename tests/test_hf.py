@@ -258,7 +258,7 @@ def test_cli_convert_both_ways_and_train_from_hf(tmp_path):
 
 def test_cli_errors_are_one_line(tmp_path):
   assert_one_line_error(meshtron("convert", "--from=hf", f"--model_dir={tmp_path}",
-                                 f"--out={tmp_path}/o"), "config.json not found")
+                                 f"--out={tmp_path}/o"), "holds no config.json")
   (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
   assert_one_line_error(meshtron("train", f"--config.init_from=hf:{tmp_path}",
                                  f"--workdir={tmp_path}/w"), "unsupported architecture")

@@ -117,12 +117,14 @@ def test_indivisible_dim_names_tensor_shape_and_axes():
   assert "kv_heads=8 cannot be split over tensor=16" in message
 
 
-def test_overrides_replace_rows_and_reject_unknown_axes():
+def test_overrides_replace_rows_and_reject_unknown_axes_and_names():
   overrides = sharding.parse_overrides("embed=fsdp+data; mlp=")
   rules = sharding.with_overrides(DEFAULT_RULES, overrides)
   assert logical_to_spec(("embed", "mlp"), (32, 64), SIZES, rules) == P(("fsdp", "data"), None)
   with pytest.raises(LayoutError, match="unknown mesh axes"):
     sharding.parse_overrides("embed=model")
+  with pytest.raises(LayoutError, match="'embedz=fsdp' names no logical dim"):
+    sharding.parse_overrides("embedz=fsdp")
 
 
 @pytest.mark.parametrize("stage,sharded_roles", [

@@ -1,8 +1,11 @@
 """Checkpoints on orbax: async saves of state + data-iterator state + metadata, exact resume,
 restore into any layout, and one-line errors for unusable checkpoints."""
 
+import errno
 import json
+import re
 import os
+import shutil
 import time
 
 import grain
@@ -47,6 +50,8 @@ class Checkpointer:
         max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
         enable_async_checkpointing=cfg.async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self._in_flight = None  # the step of the asynchronous save under way, if any
+    self._failed = False  # a save failed (and was reported)
 
   def _set_aside_partial_saves(self) -> None:
     """Interrupted saves leave `<step>.orbax-checkpoint-tmp*` directories. They are never
@@ -66,16 +71,56 @@ class Checkpointer:
 
   def save(self, step: int, state, data_state, meta: dict, wait: bool = False) -> None:
     """Starts saving `state` (whose arrays may still be computing) with the iterator state as of
-    this step's batch; `wait` blocks until it is committed (preemption, end of training)."""
+    this step's batch; `wait` blocks until it is committed (preemption, end of training).
+
+    A save that cannot fit the free disk space is refused before it starts; one that fails while
+    writing (disk full, I/O error) raises CheckpointError at the next `check()`, `save` or
+    `wait`, with its partial directory removed: the last committed checkpoint stays usable."""
+    self._check_space(step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                               meta=ocp.args.JsonSave(meta))
-    self.manager.save(step, args=args, force=True)
+    self._guard(lambda: self.manager.save(step, args=args, force=True), starting=step)
+    self._in_flight = step
     if wait:
-      self.manager.wait_until_finished()
+      self.wait()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    self._guard(self.manager.wait_until_finished)
+    self._in_flight = None
+
+  def check(self) -> None:
+    """Raises CheckpointError if an asynchronous save has failed since the last call."""
+    self._guard(self.manager.check_for_errors)
+
+  def _check_space(self, step: int, state) -> None:
+    """Refuses a save whose arrays (this process's shards) exceed the free space, plus 5%."""
+    needed = 1.05 * sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+                        if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards
+                        if shard.replica_id == 0)
+    free = shutil.disk_usage(self.directory).free
+    if needed > free:
+      raise CheckpointError(
+          f"no room for the checkpoint of step {step} in {self.directory}: it needs about"
+          f" {needed / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; free some space or use"
+          f" another --workdir (last committed checkpoint: {self.latest_step()})")
+
+  def _guard(self, action, starting: int | None = None) -> None:
+    """Runs an orbax call; a failed save (the one in flight, else the one `starting`) becomes
+    one CheckpointError and leaves no partial directory behind (a full disk needs the space)."""
+    try:
+      action()
+    except Exception as e:  # orbax raises many types from its writer threads
+      self._failed = True
+      failed = self._in_flight if self._in_flight is not None else starting
+      for name in os.listdir(self.directory):
+        if ".orbax-checkpoint-tmp" in name:  # uncommitted: nothing restores from it
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      reason = "the disk is full" if getattr(e, "errno", None) == errno.ENOSPC or \
+          "No space left" in str(e) else _first_line(e)
+      raise CheckpointError(f"the checkpoint of step {failed} in {self.directory} failed"
+                            f" ({reason}); its partial files are removed, the last committed"
+                            f" checkpoint is step {self.latest_step()}") from None
 
   def read_meta(self, step: int) -> dict:
     path = os.path.join(self.directory, str(step))
@@ -122,10 +167,22 @@ class Checkpointer:
     return state, meta, same_count or shared_data_state
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      if not self._failed:  # a failed save was reported once; waiting would re-raise it
+        self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # noqa: BLE001  (after a failed save orbax may complain again)
+        if not self._failed:
+          raise
 
 
 def _first_line(error: Exception) -> str:
+  """The first line of an error, without what only a developer reads (TensorStore's spec dumps,
+  object reprs)."""
   text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+  line = text[0] if text else ""
+  line = re.split(r"\s*See full TensorStore details", line)[0]
+  line = re.sub(r"<[^<>]*(?: at 0x[0-9a-f]+|pybind11)[^<>]*>?", "", line).rstrip(" :({")
+  return f"{type(error).__name__}: {line[:300]}"

@@ -7,9 +7,11 @@ read-only by convention after `validate()`.
 import dataclasses
 
 from models.config import ModelConfig
+from sharding import schedules
 from sharding.layout import Layout, layout_of
 from sharding.mesh import MeshConfig
 from sharding.xla import presets
+from trainer import config_checks
 
 
 @dataclasses.dataclass
@@ -108,8 +110,9 @@ class CheckpointConfig:
   keep: int = 3  # the last `keep` checkpoints...
   keep_every: int = 0  # ...plus every checkpoint whose step is a multiple of this (0: none)
   async_save: bool = True
-  # Signals that mean "finish this step, save, exit 0" (e.g. SLURM's --signal=USR1@120).
-  preemption_signals: str = "SIGTERM,SIGUSR1"
+  # Signals that mean "finish this step, save, exit 0" (e.g. SLURM's --signal=USR1@120); a
+  # second Ctrl-C (SIGINT) stops at once without saving.
+  preemption_signals: str = "SIGTERM,SIGUSR1,SIGINT"
   save_on_error: bool = True  # save the last good state when the loop raises
   # Start from another run's checkpoint directory (or one step directory of it) when this
   # workdir has none; layouts and device counts may differ.
@@ -182,29 +185,29 @@ class TrainConfig:
   max_replicated_fraction: float = 0.1
 
   def validate(self) -> None:
-    """Raises ValueError with a one-line message naming the bad field and how to fix it."""
+    """Raises ValueError with a one-line message naming the bad field and how to fix it: every
+    number in its range and every path present (trainer/config_checks.py), every choice known."""
     self.model.validate()
     self.optim.validate()
+    config_checks.check_ranges(self)
     if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
       raise ValueError(f"grad_accum_dtype={self.grad_accum_dtype!r} is not one of"
                        f" {GRAD_ACCUM_DTYPES}")
-    for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_batches"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if self.batch_size % self.microbatches:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by"
                        f" microbatches={self.microbatches}")
-    if not 0.0 <= self.data.eval_fraction < 1.0:
-      raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction}")
     if self.nan_policy not in ("stop", "skip"):
       raise ValueError(f"nan_policy must be 'stop' or 'skip', got {self.nan_policy!r}")
-    if self.checkpoint.every_steps <= 0 or self.checkpoint.keep <= 0:
-      raise ValueError("checkpoint.every_steps and checkpoint.keep must be positive")
-    if self.optim.warmup_steps < 0 or self.optim.learning_rate <= 0:
-      raise ValueError("optim.learning_rate must be > 0 and optim.warmup_steps >= 0")
+    if 0 < self.loss_spike_factor <= 1:
+      raise ValueError(f"loss_spike_factor={self.loss_spike_factor} would skip ordinary steps: use"
+                       " 0 (off) or a factor above 1, e.g. 3")
+    if self.mesh.pipeline_schedule not in schedules.SCHEDULES:
+      raise ValueError(f"mesh.pipeline_schedule={self.mesh.pipeline_schedule!r} is not one of"
+                       f" {', '.join(schedules.SCHEDULES)}")
     if self.init_from and (not self.init_from.startswith("hf:") or self.init_from == "hf:"):
       raise ValueError(f"init_from must be empty or hf:<Hugging Face model directory>, got"
                        f" {self.init_from!r}")
+    config_checks.check_paths(self)
     presets.resolve(self.xla_preset)  # names the known presets if not one of them
 
   def step(self) -> StepConfig:
@@ -258,3 +261,18 @@ def config_from_dict(cls, values: dict):
       kwargs[field.name] = (config_from_dict(field.type, value)
                             if dataclasses.is_dataclass(field.type) else value)
   return cls(**kwargs)
+
+
+def describe_fields(cfg, prefix: str = "") -> list[str]:
+  """Every leaf field of a (nested) config as "a.b: type = value" (`meshtron ... --show_config`);
+  a nested config that is None (model.moe of a dense model) is one line."""
+  lines = []
+  for field in dataclasses.fields(cfg):
+    value, name = getattr(cfg, field.name), f"{prefix}{field.name}"
+    if dataclasses.is_dataclass(value):
+      lines += describe_fields(value, f"{name}.")
+    else:
+      kind = field.type if isinstance(field.type, str) else getattr(
+          field.type, "__name__", str(field.type))
+      lines.append(f"{name}: {kind} = {value!r}")
+  return lines

@@ -161,11 +161,21 @@ def to_hf(src: str, out: str) -> None:
   print(f"wrote {out}: {', '.join(files)}")
 
 
-def run(direction_from: str, direction_to: str, model_dir: str, out: str, workdir: str) -> None:
+def run(direction_from: str, direction_to: str, model_dir: str, out: str, workdir: str,
+        overwrite: bool = False) -> None:
   """The `convert` verb: exactly one of --from=hf (with --model_dir) or --to=hf (with --workdir),
-  and --out."""
+  and --out, which must be empty or new unless `overwrite`."""
   if not out:
     raise ValueError("convert needs --out")
+  if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    raise ValueError(f"--out={out} is not empty (it holds {', '.join(sorted(os.listdir(out))[:4])}"
+                     f"{', ...' if len(os.listdir(out)) > 4 else ''}); convert into a new"
+                     " directory, or add --overwrite to replace what is there")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ValueError(f"--out={out} is a file; convert into a directory")
+  if model_dir and not os.path.isfile(os.path.join(model_dir, "config.json")):
+    raise ValueError(f"--model_dir={model_dir} holds no config.json (a Hugging Face model"
+                     " directory)")
   if direction_from == "hf" and not direction_to:
     if not model_dir:
       raise ValueError("convert --from=hf needs --model_dir=<dir with config.json + safetensors>")

@@ -48,6 +48,13 @@ class _Documents:
   def __len__(self) -> int:
     return int(self._starts[-1])
 
+  def starts(self) -> np.ndarray:
+    """The index of each file's first document (files without documents left out)."""
+    return np.unique(self._starts[:-1][np.asarray([f.count for f in self.files]) > 0])
+
+  def file_of(self, index: int) -> str:
+    return self.files[int(np.searchsorted(self._starts, index, side="right")) - 1].path
+
   def read(self, index: int) -> str:
     """Returns the text of document `index`; malformed data is a one-line ValueError."""
     file_index = int(np.searchsorted(self._starts, index, side="right")) - 1
@@ -91,8 +98,8 @@ def _parquet_column(path: str, field: str):
 def _index_file(path: str, text_field: str) -> _File:
   """Counts the documents of one file (and finds the lines of a .jsonl) without decoding them."""
   ext = os.path.splitext(path)[1].lower()
-  if ext == ".txt":
-    return _File(path, "txt", 1)
+  if ext == ".txt":  # one document, unless the file is empty
+    return _File(path, "txt", int(os.path.getsize(path) > 0))
   if ext == ".jsonl":
     offsets, line_numbers, offset = [], [], 0
     with open(path, "rb") as f:
@@ -158,7 +165,8 @@ def _documents(source: str, text_field: str) -> _Documents:
   documents = _Documents(source, [_index_file(p, text_field) for p in _list_files(source)],
                          text_field)
   if not len(documents):
-    raise ValueError(f"data.source={source!r}: the files hold no documents")
+    raise ValueError(f"data.source={source!r}: the files hold no documents (empty files and blank"
+                     " lines hold none)")
   return documents
 
 
@@ -326,6 +334,28 @@ def make_iterator(config: TrainConfig, tokenizer, split: str, process_index: int
     start = process_index * rows_per_process
     ds = ds.map(lambda batch: {k: v[start:start + rows_per_process] for k, v in batch.items()})
   return _JsonSafeIterator(iter(ds))
+
+
+def check_source(config: TrainConfig, tokenizer, first: int = 8) -> None:
+  """Reads the source's first documents (of up to `first` files) and both splits' sizes, so a
+  missing, empty, binary or malformed source is one line before anything compiles; the rest is
+  checked as it is read."""
+  data = config.data
+  if data.source == "synthetic":
+    return
+  documents = _documents(data.source, data.text_field)
+  for split in ("train", "eval") if data.eval_fraction > 0 else ("train",):
+    _split_indices(len(documents), data.eval_fraction, split)
+  starts = np.unique(np.minimum(documents.starts()[:first], len(documents) - 1))
+  tokens = 0
+  for index in starts:
+    text = documents.read(int(index))
+    if "\x00" in text or text.count("\ufffd") > max(8, len(text) // 100):
+      raise ValueError(f"data.source: {documents.file_of(int(index))} is not UTF-8 text (NUL bytes"
+                       " or undecodable bytes); the source takes .txt, .jsonl or .parquet text")
+    tokens += len(tokenizer.encode(text))
+  if not tokens:
+    raise ValueError(f"data.source={data.source!r}: its first documents hold no tokens")
 
 
 def describe_source(config: TrainConfig) -> str:

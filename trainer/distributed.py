@@ -4,6 +4,7 @@ Kubernetes), timeouts that never hang, and hard exits so no peer waits in a coll
 import glob
 import os
 import sys
+import threading
 import traceback
 
 import jax
@@ -54,9 +55,18 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
       (coordinator, num_processes > 0, process_id >= 0)):
     raise ValueError("--coordinator, --num_processes and --process_id go together; got"
                      f" {explicit}")
+  if coordinator:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f"--coordinator={coordinator!r} must be host:port of process 0 (port"
+                       " 1-65535), e.g. 10.0.0.1:1234")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f"--process_id={process_id} must be in [0, --num_processes="
+                       f"{num_processes})")
   if not coordinator and detect_launcher() is None:
     return False
-  kwargs = dict(initialization_timeout=cfg.initialization_timeout_s,
+  # JAX's own start-up timeout ends in a native abort dump: ours fires first, in one line.
+  kwargs = dict(initialization_timeout=cfg.initialization_timeout_s + 60,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
                 shutdown_timeout_seconds=cfg.shutdown_timeout_s)
   if coordinator:
@@ -65,7 +75,24 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
   ids = local_device_ids(cfg.local_device_ids)
   if ids is not None:
     kwargs["local_device_ids"] = ids
+  expected = num_processes or os.environ.get("SLURM_NTASKS") or os.environ.get(
+      "OMPI_COMM_WORLD_SIZE") or "?"
+  me = process_id if process_id >= 0 else os.environ.get(
+      "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+  joined = threading.Event()
+
+  def watchdog():
+    if not joined.wait(cfg.initialization_timeout_s):
+      print(f"meshtron: error: not all {expected} processes joined within"
+            f" {cfg.initialization_timeout_s} s (this is process {me}, coordinator"
+            f" {coordinator or 'from the launcher'}); check that every process was started and"
+            " can reach the coordinator, or raise"
+            " --config.distributed.initialization_timeout_s", file=sys.stderr, flush=True)
+      os._exit(1)
+
+  threading.Thread(target=watchdog, daemon=True, name="meshtron-join-watchdog").start()
   jax.distributed.initialize(**kwargs)
+  joined.set()
   return True
 
 

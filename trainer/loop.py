@@ -2,7 +2,6 @@
 preemption and the non-finite-loss guard; the loss plot and a sample at the end."""
 
 import dataclasses
-import json
 import logging as pylogging
 import os
 import zlib
@@ -12,16 +11,20 @@ import numpy as np
 from absl import logging
 
 from trainer import checkpoint, data, metrics, plot, preemption, sample
+from trainer import workdir as workdir_lib
 from trainer.config import TrainConfig
 from trainer.restore import init_or_restore
 from trainer.trainer import Trainer
 
 
 def quiet_library_logs() -> None:
-  """orbax logs every step of every save at INFO; keep its warnings and errors only."""
+  """orbax logs every step of every save at INFO; keep its warnings and errors only. asyncio's
+  "exception was never retrieved" reports orbax's reader futures after a failed restore, which
+  the one-line CheckpointError already describes."""
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _NoLibraryInfo) for f in handler.filters):
     handler.addFilter(_NoLibraryInfo())
+  pylogging.getLogger("asyncio").setLevel(pylogging.CRITICAL)
 
 
 class _NoLibraryInfo(pylogging.Filter):
@@ -42,30 +45,45 @@ class TrainingError(RuntimeError):
 
 def run(cfg: TrainConfig, workdir: str) -> dict:
   """Trains `cfg` in `workdir`, resuming from its latest committed checkpoint; returns the last
-  step's metrics. Preemption signals save and return; a non-finite loss raises TrainingError."""
+  step's metrics. Preemption signals (SIGTERM, SIGUSR1, Ctrl-C) save and return; a non-finite
+  loss raises TrainingError. Every check that needs no step (workdir, data, layout, memory)
+  comes before anything is written there."""
   enable_compilation_cache(cfg.compilation_cache_dir)
   quiet_library_logs()
-  os.makedirs(workdir, exist_ok=True)
-  trainer = Trainer(cfg)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
-  rep = trainer.compile()
-  logging.info("train step compiled in %.1f s: peak %.3f GiB per device, %.1f MiB of collectives",
-               rep.compile_seconds, rep.memory["peak"] / 2**30, rep.wire_bytes / 2**20)
-  train_iter, start, meta = init_or_restore(trainer, ckpt)
   is_writer = jax.process_index() == 0
-  if is_writer:
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      json.dump(dataclasses.asdict(cfg), f, indent=2)
-  logging.info("config:\n%s", json.dumps(dataclasses.asdict(cfg), indent=2))
+  workdir = workdir_lib.check(workdir)
+  trainer = Trainer(cfg)  # the layout's errors
+  data.check_source(cfg, trainer.tokenizer)
+  trainer.check_host_memory_estimate()
+  workdir_lib.prepare(workdir)  # the first change on disk: every input has been checked
+  with workdir_lib.locked(workdir, enabled=is_writer):
+    rep = trainer.compile()
+    logging.info("train step compiled in %.1f s: peak %.3f GiB per device, %.1f MiB of"
+                 " collectives", rep.compile_seconds, rep.memory["peak"] / 2**30,
+                 rep.wire_bytes / 2**20)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+    try:
+      train_iter, start, meta = init_or_restore(trainer, ckpt)
+    except BaseException:
+      ckpt.close()
+      raise
+    return _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer)
+
+
+def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer) -> dict:
+  cfg = trainer.cfg
   logging.info("process %d of %d; mesh %s over %d %s devices; data %s; %.2fM parameters;"
-               " %s at step %d", jax.process_index(), jax.process_count(),
-               dict(trainer.mesh.shape), jax.device_count(), jax.devices()[0].platform,
-               data.describe_source(cfg), cfg.model.num_params() / 1e6,
-               "resuming" if start else "starting", start)
+               " %s at step %d (the whole config: %s/config.json)", jax.process_index(),
+               jax.process_count(), dict(trainer.mesh.shape), jax.device_count(),
+               jax.devices()[0].platform, data.describe_source(cfg), cfg.model.num_params() / 1e6,
+               "resuming" if start else "starting", start, workdir)
   if start >= cfg.steps:
-    print(f"{workdir} is already trained to step {start} of {cfg.steps}; nothing to do")
+    print(f"{workdir} is already trained to step {start} of {cfg.steps}; nothing to do (raise"
+          " --config.steps to train further)")
     ckpt.close()
     return {}
+  if is_writer:
+    workdir_lib.write_config(workdir, dataclasses.asdict(cfg), start)
   peak, peak_source = (cfg.peak_flops_per_device * jax.device_count(), "config") \
       if cfg.peak_flops_per_device else metrics.peak_flops(cfg.model.dtype)
   logging.info("MFU denominator: %.1f GFLOP/s (%s)", peak / 1e9, peak_source)
@@ -134,6 +152,7 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
         pending = (step, step_metrics, fingerprint)
         if step < cfg.steps:
           fingerprint = next_fingerprint
+        ckpt.check()  # a failed asynchronous save stops the run here, not steps later
         stop = stops.should_stop()
         eval_due = step % cfg.eval_every == 0 or step == cfg.steps
         if eval_due:
@@ -147,9 +166,10 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
                 " the same command to resume")
           return False
       flush()
-  except TrainingError:
-    raise
+  except (TrainingError, checkpoint.CheckpointError):
+    raise  # nothing new to save (a stop), or saving is what failed
   except Exception:
+    ckpt.check()  # a failed asynchronous save (a full disk) explains the error and cleans up
     step, state_of_data = dispatched
     if cfg.checkpoint.save_on_error and state_of_data is not None and step > last_saved[0]:
       logging.error("the loop raised at step %d: saving that step's state first", step)

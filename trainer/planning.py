@@ -142,9 +142,10 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
     print("\n".join(planner.rejection_summary(result.rejected)))
   if not best:
     raise ValueError(f"no layout of {model} fits on {gpus} {hw.name} GPUs")
-  path = out or f"plan_{model}_{gpus}.py"
-  if write_config(path, model, best[0].layout, seq) and not as_json:
-    print(f"wrote {path}: meshtron train --config={path}")
+  if out and write_config(out, model, best[0].layout, seq) and not as_json:
+    print(f"wrote {out}: meshtron train --config={out}")
+  elif not out and not as_json:
+    print("--out=best.py writes the best layout as a config file for meshtron train")
 
 
 def write_config(path: str, model: str, layout: sharding.layout.Layout, seq: int) -> bool:

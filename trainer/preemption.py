@@ -1,6 +1,8 @@
 """Preemption: signals set a flag the loop reads every step; all processes agree on the step."""
 
+import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -22,9 +24,16 @@ class StopRequests:
 
   def _handle(self, number, frame):
     del frame
-    self.requested = signal.Signals(number).name
-    logging.warning("%s received: finishing this step, then saving a checkpoint",
-                    self.requested)
+    name = signal.Signals(number).name
+    if number == signal.SIGINT and self.requested is not None:
+      # A second Ctrl-C: the user wants out now, not after the save.
+      print("meshtron: error: interrupted again: stopped without saving (the last committed"
+            " checkpoint is kept)", file=sys.stderr, flush=True)
+      os._exit(130)
+    self.requested = name
+    logging.warning("%s received: finishing this step, then saving a checkpoint%s", name,
+                    " (Ctrl-C again to stop at once without saving)"
+                    if number == signal.SIGINT else "")
 
   def should_stop(self) -> bool:
     """True on every process as soon as any process got a signal. One tiny all-gather per step

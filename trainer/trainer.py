@@ -8,6 +8,7 @@ import jax
 import sharding
 from models import abstract_model, param_names
 from sharding import report
+from sharding.plan import estimate
 from sharding.xla import compiled, presets
 from trainer import data
 from trainer.config import TrainConfig, compiler_options
@@ -74,14 +75,46 @@ class Trainer:
     self.compiled_step = executable
     rep = compiled.report(executable, "local", list(self.mesh.devices.flat),
                           time.perf_counter() - start)
-    limit = self.cfg.device_memory_gib * 2**30 or _device_memory_limit()
+    limit, where = self.memory_limit()
     if limit and not compiled.fits(rep, limit)[0]:
       raise ValueError(
           f"the compiled train step needs {rep.memory['peak'] / 2**30:.2f} GiB per device (peak:"
           f" arguments {rep.memory['argument'] / 2**30:.2f}, temporaries"
-          f" {rep.memory['temp'] / 2**30:.2f}) but the device has {limit / 2**30:.2f} GiB; shard"
+          f" {rep.memory['temp'] / 2**30:.2f}) but {where} {limit / 2**30:.2f} GiB; shard"
           " more (fsdp, tensor, zero_stage), recompute more (model.remat) or shrink the batch")
     return rep
+
+  def memory_limit(self) -> tuple[int, str]:
+    """(bytes one device may use, what that is): --config.device_memory_gib, else the GPU's own
+    limit, else on CPU the host's available memory shared by this process's devices."""
+    if self.cfg.device_memory_gib:
+      return int(self.cfg.device_memory_gib * 2**30), "device_memory_gib allows"
+    device = jax.local_devices()[0]
+    limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+    if limit:
+      return limit, "the device has"
+    if device.platform == "cpu":
+      local = len([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
+      return host_available_bytes() // max(local, 1), f"each of {local} CPU devices gets of the" \
+          " host's available memory"
+    return 0, ""
+
+  def check_host_memory_estimate(self) -> None:
+    """Before compiling: refuses a layout whose analytic per-device memory (sharding/plan) is
+    already above the limit; the compiled figure decides in `compile()`."""
+    limit, where = self.memory_limit()
+    if not limit:
+      return
+    cfg = self.cfg
+    precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype,
+                                           cfg.grad_accum_dtype)
+    layout = cfg.layout(self.mesh.devices.size)
+    need = estimate.memory(cfg.model, layout, cfg.seq_len, precision, workspace_bytes=0).total
+    if need > limit:
+      raise ValueError(
+          f"the train step needs about {need / 2**30:.2f} GiB per device (analytic estimate) but"
+          f" {where} {limit / 2**30:.2f} GiB; shard more (fsdp, tensor, zero_stage), recompute"
+          " more (model.remat) or shrink the batch")
 
   def init_state(self) -> None:
     """Creates the train state sharded from the start (no unsharded copy ever exists)."""
@@ -134,7 +167,13 @@ class Trainer:
     return nll / max(tokens, 1.0)
 
 
-def _device_memory_limit() -> int:
-  """Bytes per device where the backend reports a limit (GPUs); 0 when unknown (CPU)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return int(stats.get("bytes_limit", 0))
+def host_available_bytes() -> int:
+  """The host memory available to new allocations (Linux MemAvailable), 0 when unknown."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0

@@ -1,0 +1,228 @@
+"""The error contract: bad input and faults end in exactly one line on stderr that says what is
+wrong and how to fix it, before anything compiles, with the workdir's files byte-identical.
+
+Most cases run the CLI in this process (trainer.cli._start; a `meshtron` start costs ~4 s);
+those that need a process of their own (a dead peer, a second Ctrl-C) are at the end.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from tests.test_checkpoint import environment
+from trainer import cli, workdir as workdir_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def snapshot(root) -> dict:
+  """Every file under `root` with its bytes' hash (directories too, as None)."""
+  out = {}
+  for base, dirs, files in os.walk(root):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(base, name), root)] = None
+    for name in files:
+      path = os.path.join(base, name)
+      out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+  return out
+
+
+@pytest.fixture
+def run_cli(capfd, caplog, monkeypatch):
+  """Runs `meshtron ARGV...` in this process: (exit code, stderr lines, compiles logged of the
+  run's programs: the train step, its init and the eval step; building a Trainer also runs a
+  few scalar ops eagerly, e.g. optax's init of a step counter, which are not those)."""
+  jax.config.update("jax_log_compiles", True)
+
+  def run(*argv):
+    monkeypatch.setattr(sys, "argv", ["meshtron", *argv])
+    capfd.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG), pytest.raises(SystemExit) as exited:
+      cli._start()
+    err = capfd.readouterr().err
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        ("Compiling jit(train_step", "Compiling jit(eval_step", "Compiling jit(init"))]
+    return exited.value.code, [line for line in err.splitlines() if line.strip()], compiles
+
+  yield run
+  jax.config.update("jax_log_compiles", False)
+
+
+def write(path, data: bytes) -> str:
+  with open(path, "wb") as f:
+    f.write(data)
+  return str(path)
+
+
+def cases(tmp):
+  """(name, argv, fragment of the one error line)."""
+  bad_syntax = write(tmp / "syntax.py", b"def get_config(:\n  pass\n")
+  bad_import = write(tmp / "imports.py", b"import nosuchmodule\n")
+  empty = write(tmp / "empty.txt", b"")
+  binary = write(tmp / "binary.txt", bytes(range(256)) * 64)
+  no_field = write(tmp / "docs.jsonl", b'{"body": "hello"}\n{"body": "again"}\n')
+  not_a_dir = write(tmp / "a_file", b"x")
+  (tmp / "hf_empty").mkdir()
+  (tmp / "full").mkdir()
+  write(tmp / "full" / "config.json", b"{}")
+  steps = ["--config.steps=2", "--config.model.num_layers=1"]
+  return [
+      ("unknown key", ["train", "--config.model.nope=3"], "unknown config key"),
+      ("moe key on a dense preset", ["train", "--config=debug",
+                                     "--config.model.moe.num_experts=6"], "model.moe is None"),
+      ("unknown moe key", ["train", "--config=debug_moe", "--config.model.moe.nope=1"],
+       "MoEConfig has no field 'nope'"),
+      ("wrong type", ["train", "--config.steps=many"], "many"),
+      ("unknown preset", ["train", "--config=llama9"], "unknown config 'llama9'"),
+      ("config syntax", ["train", f"--config={bad_syntax}"], "line 1: SyntaxError"),
+      ("config import", ["train", f"--config={bad_import}"], "ModuleNotFoundError"),
+      ("eval_every=0", ["train", "--config.eval_every=0"], "eval_every=0 is out of range"),
+      ("adam b2", ["train", "--config.optim.b2=1.5"], "optim.b2=1.5 is out of range"),
+      ("spike factor", ["train", "--config.loss_spike_factor=0.5"], "loss_spike_factor=0.5"),
+      ("unknown logical name", ["train", "--config.sharding_rules=embedz=fsdp", *steps],
+       "names no logical dim"),
+      ("mesh size", ["train", "--config.mesh.data=3", *steps], "3 devices but 8 are available"),
+      ("batch split", ["train", "--config.mesh.data=8", "--config.batch_size=12", *steps],
+       "batch_size=12 is not divisible by the data-parallel size 8"),
+      ("missing data", ["train", "--config.data.source=/nonexistent/corpus"], "does not exist"),
+      ("empty corpus", ["train", f"--config.data.source={empty}", *steps],
+       "hold no documents"),
+      ("binary corpus", ["train", f"--config.data.source={binary}", "--config.data.eval_fraction=0",
+                         *steps], "is not UTF-8 text"),
+      ("jsonl field", ["train", f"--config.data.source={no_field}", *steps], "no 'text' field"),
+      ("tokenizer", ["train", "--config.data.tokenizer=/nope/tokenizer.json"],
+       "data.tokenizer='/nope/tokenizer.json'"),
+      ("restore_from", ["train", "--config.checkpoint.restore_from=/nowhere"],
+       "restore_from='/nowhere' is not a directory"),
+      ("init_from", ["train", f"--config.init_from=hf:{tmp / 'hf_empty'}"], "holds no config.json"),
+      ("workdir under a file", ["train", f"--workdir={not_a_dir}/run", *steps],
+       "lies under the file"),
+      ("host memory", ["train", "--config.device_memory_gib=0.0001", *steps],
+       "analytic estimate"),
+      ("unknown model", ["memory", "--model=gpt5", "--layout=dp=8"], "unknown model 'gpt5'"),
+      ("unknown gpu", ["plan", "--model=llama3_8b", "--gpu=tpu"], "unknown gpu 'tpu'"),
+      ("convert model_dir", ["convert", "--from=hf", f"--model_dir={tmp / 'hf_empty'}",
+                             f"--out={tmp / 'out'}"], "holds no config.json"),
+      ("convert overwrite", ["convert", "--to=hf", f"--workdir={tmp}", f"--out={tmp / 'full'}"],
+       "is not empty"),
+      ("unknown verb", ["fly"], "usage: meshtron"),
+      ("coordinator", ["train", "--coordinator=nohost", "--num_processes=2", "--process_id=0"],
+       "--coordinator='nohost' must be host:port"),
+      ("process id", ["train", "--coordinator=127.0.0.1:1234", "--num_processes=2",
+                      "--process_id=2"], "--process_id=2 must be in [0, --num_processes=2)"),
+  ]
+
+
+def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_path, run_cli):
+  inputs = tmp_path / "inputs"
+  inputs.mkdir()
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "notes.txt").write_text("a user's file")
+  failures = []
+  for name, argv, fragment in cases(inputs):
+    if argv[0] == "train" and not any(a.startswith("--workdir") for a in argv):
+      argv = [*argv, f"--workdir={workdir}"]
+    before = snapshot(tmp_path)
+    code, lines, compiles = run_cli(*argv)
+    problems = [f"exit code {code}" if code in (0, None) else "",
+                f"{len(lines)} stderr lines" if len(lines) != 1 else "",
+                "" if lines and lines[-1].startswith("meshtron: error:") and fragment in lines[-1]
+                else f"message {lines[-1:]!r}",
+                f"compiled {compiles[:1]}" if compiles else "",
+                "files changed" if snapshot(tmp_path) != before else ""]
+    if any(problems):
+      failures.append((name, [p for p in problems if p], lines[-3:]))
+  assert not failures, json.dumps(failures, indent=1)
+  # The control: the same harness sees a good run compile its step and write its files.
+  code, _, compiles = run_cli("train", f"--workdir={tmp_path / 'ok'}", "--config.steps=1",
+                              "--config.model.num_layers=1", "--config.sample_tokens=0")
+  assert code in (0, None) and compiles and (tmp_path / "ok" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "--config.model.nope=3"], "unknown config key"),
+    (["train", "--cpu_devices=2", "--config.mesh.data=4"], "2 are available"),
+])
+def test_a_fresh_process_prints_only_the_error(tmp_path, argv, fragment):
+  """The console script in its own process: JAX's start-up lines on a machine without a GPU
+  (the CUDA plugin's "Could not find cuda drivers") do not reach the terminal."""
+  env = {k: v for k, v in environment().items() if k != "JAX_PLATFORMS"}  # as a user runs it
+  proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "meshtron"), *argv,
+                         f"--workdir={tmp_path}"], capture_output=True, text=True, env=env,
+                        cwd=REPO, timeout=300)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith("meshtron: error:") and fragment in lines[0]
+
+
+def test_help_lists_each_verbs_flags_and_the_presets(capfd, run_cli):
+  for argv in (["--help"], ["train", "--help"], ["plan", "--help"]):
+    sys.argv = ["meshtron", *argv]
+    cli._start()
+    out = capfd.readouterr().out
+    assert "usage: meshtron" in out
+  sys.argv = ["meshtron", "train", "--help"]
+  cli._start()
+  text = capfd.readouterr().out
+  assert "--workdir" in text and "--dry_run" in text and "presets: debug" in text
+  assert "--show_config" in text and "--gpus_per_node" not in text  # train's flags, not plan's
+
+
+def test_show_config_prints_every_field_with_overrides_applied(capfd):
+  sys.argv = ["meshtron", "train", "--config=debug_moe", "--config.model.moe.num_experts=6",
+              "--show_config"]
+  with pytest.raises(SystemExit) as exited:
+    cli._start()
+  assert exited.value.code in (0, None)
+  lines = capfd.readouterr().out.splitlines()
+  assert "model.moe.num_experts: int = 6" in lines and "steps: int = 500" in lines
+  assert len(lines) > 80  # every leaf field, nested ones included
+
+
+def test_a_second_trainer_on_a_workdir_fails_at_once_naming_the_holder(tmp_path, run_cli):
+  with workdir_lib.locked(str(tmp_path)):
+    code, lines, compiles = run_cli("train", f"--workdir={tmp_path}", "--config.steps=2",
+                                    "--config.model.num_layers=1")
+  assert code and len(lines) == 1 and not compiles
+  assert f"is in use by pid {os.getpid()}" in lines[0]
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, caplog):
+  (tmp_path / workdir_lib.LOCK_NAME).write_text(json.dumps(
+      {"host": "gone", "pid": 999999, "started": "2026-01-01T00:00:00"}))
+  with caplog.at_level(logging.WARNING), workdir_lib.locked(str(tmp_path)):
+    held = json.loads((tmp_path / workdir_lib.LOCK_NAME).read_text())
+  assert held["pid"] == os.getpid()
+  assert any("pid 999999 on gone" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving():
+  script = ("import os, signal, time; from trainer.preemption import StopRequests;"
+            " s = StopRequests('SIGINT'); os.kill(os.getpid(), signal.SIGINT);"
+            " assert s.should_stop(); os.kill(os.getpid(), signal.SIGINT); time.sleep(5)")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=environment(), cwd=REPO, timeout=120)
+  assert proc.returncode == 130
+  assert proc.stderr.strip().splitlines()[-1].startswith("meshtron: error: interrupted again")
+
+
+def test_a_process_that_never_joins_is_one_line_after_the_timeout(tmp_path):
+  """Process 0 of 2 waits for a peer that is never started: after the start-up timeout the user
+  set (4 s), one line says how many processes were expected, and the exit is non-zero without a
+  native stack."""
+  proc = subprocess.run(
+      [sys.executable, "-c", "from trainer.cli import main; main()", "train", "--config=debug",
+       f"--workdir={tmp_path}", "--cpu_devices=4", "--coordinator=127.0.0.1:29577",
+       "--num_processes=2", "--process_id=0", "--config.distributed.initialization_timeout_s=4"],
+      capture_output=True, text=True, env=environment(), cwd=REPO, timeout=120)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+  assert "not all 2 processes joined within 4 s" in lines[0]

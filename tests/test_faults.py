@@ -1,0 +1,83 @@
+"""Faults on disk: a full disk at a checkpoint and a read-only workdir. Each runs on a tmpfs the
+test mounts (root, as in CI), so the filesystem's own errors are what the trainer meets."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.test_checkpoint import committed, tiny_run
+from trainer import checkpoint, loop
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+  """mount(size, read_only=False) -> a fresh tmpfs directory, unmounted afterwards."""
+  mounted = []
+
+  def mount(size: str, read_only: bool = False):
+    path = tmp_path / f"fs{len(mounted)}"
+    path.mkdir()
+    options = f"size={size}" + (",ro" if read_only else "")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode:
+      pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}): these fault tests need"
+                  " root, as CI has")
+    mounted.append(path)
+    return path
+
+  yield mount
+  for path in mounted:
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def partial_saves(directory) -> list[str]:
+  return [n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n]
+
+
+def full_disk_run(tmpfs):
+  """A tiny run saving every 2 steps on a 14 MB tmpfs: the checkpoints of steps 2 and 4 (5.3 MB
+  each) fit, step 6's does not."""
+  workdir = tmpfs("14m") / "run"
+  cfg = tiny_run(steps=8)
+  cfg.checkpoint.every_steps = 2
+  return cfg, workdir
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_and_the_last_checkpoint_resumes(tmpfs, tmp_path):
+  cfg, workdir = full_disk_run(tmpfs)
+  with pytest.raises(checkpoint.CheckpointError) as error:
+    loop.run(cfg, str(workdir))
+  message = str(error.value)
+  assert "\n" not in message and "no room for the checkpoint of step 6" in message
+  assert "last committed checkpoint: 4" in message
+  assert committed(workdir) == [2, 4] and not partial_saves(workdir / "checkpoints")
+  moved = tmp_path / "moved"  # the same run, somewhere with room: it resumes at step 4
+  shutil.copytree(workdir, moved)
+  loop.run(cfg, str(moved))
+  assert committed(moved)[-1] == 8
+
+
+def test_a_save_that_fills_the_disk_fails_there_and_cleans_up(tmpfs, monkeypatch):
+  """The free-space check fooled (another process filling the disk meanwhile): the write itself
+  fails with ENOSPC; the run stops with one line right after, the partial save is removed and
+  the last committed checkpoint is intact."""
+  cfg, workdir = full_disk_run(tmpfs)
+  real = shutil.disk_usage
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                      lambda path: real(path)._replace(free=10**12))
+  with pytest.raises(checkpoint.CheckpointError) as error:
+    loop.run(cfg, str(workdir))
+  message = str(error.value)
+  assert "\n" not in message and "the checkpoint of step 6" in message
+  assert "the disk is full" in message and "last committed checkpoint is step 4" in message
+  assert committed(workdir) == [2, 4] and not partial_saves(workdir / "checkpoints")
+
+
+def test_a_read_only_workdir_is_one_line_before_anything_runs(tmpfs):
+  read_only = tmpfs("1m", read_only=True)
+  for workdir in (read_only, read_only / "run"):
+    with pytest.raises(ValueError, match=r"workdir .* \(Read-only file system\)"):
+      loop.run(tiny_run(), str(workdir))

@@ -1,0 +1,85 @@
+"""The ranges and paths every TrainConfig setting is checked against before anything runs
+(TrainConfig.validate): one line naming the field, what it must be, and the flag that sets it."""
+
+import dataclasses
+import glob
+import os
+
+INF = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  low: float = -INF
+  high: float = INF
+  low_open: bool = False  # low itself is not allowed
+  high_open: bool = False
+
+  def holds(self, value) -> bool:
+    above = value > self.low if self.low_open else value >= self.low
+    below = value < self.high if self.high_open else value <= self.high
+    return above and below
+
+  def describe(self) -> str:
+    low = f"{'>' if self.low_open else '>='} {self.low:g}" if self.low > -INF else ""
+    high = f"{'<' if self.high_open else '<='} {self.high:g}" if self.high < INF else ""
+    return " and ".join(p for p in (low, high) if p)
+
+
+COUNT, NONNEGATIVE = Range(1), Range(0)
+POSITIVE, FRACTION = Range(0, low_open=True), Range(0, 1)
+# Dotted TrainConfig field -> the range its value must lie in (model fields: ModelConfig.validate).
+RANGES = {
+    "steps": COUNT, "batch_size": COUNT, "seq_len": COUNT, "microbatches": COUNT,
+    "log_every": COUNT, "eval_every": COUNT, "eval_batches": COUNT,
+    "max_consecutive_skips": NONNEGATIVE, "inject_nan_at_step": NONNEGATIVE,
+    "z_loss": NONNEGATIVE, "loss_spike_factor": NONNEGATIVE, "sample_tokens": NONNEGATIVE,
+    "sample_temperature": POSITIVE, "peak_flops_per_device": NONNEGATIVE,
+    "device_memory_gib": NONNEGATIVE, "max_replicated_fraction": FRACTION,
+    "optim.learning_rate": POSITIVE, "optim.warmup_steps": NONNEGATIVE,
+    "optim.min_learning_rate_ratio": FRACTION, "optim.b1": Range(0, 1, high_open=True),
+    "optim.b2": Range(0, 1, high_open=True), "optim.eps": POSITIVE,
+    "optim.weight_decay": NONNEGATIVE, "optim.clip_norm": NONNEGATIVE,
+    "data.eval_fraction": Range(0, 1, high_open=True), "data.num_threads": COUNT,
+    "data.max_document_tokens": NONNEGATIVE,
+    "checkpoint.every_steps": COUNT, "checkpoint.keep": COUNT, "checkpoint.keep_every": NONNEGATIVE,
+    "distributed.initialization_timeout_s": COUNT, "distributed.heartbeat_timeout_s": COUNT,
+    "distributed.shutdown_timeout_s": COUNT,
+    "mesh.virtual_stages": COUNT,
+}
+
+
+def _value(cfg, dotted: str):
+  for part in dotted.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
+def check_ranges(cfg) -> None:
+  """ValueError for the first setting outside its range (or not a number)."""
+  for dotted, allowed in RANGES.items():
+    value = _value(cfg, dotted)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not allowed.holds(value):
+      raise ValueError(f"{dotted}={value!r} is out of range: it must be {allowed.describe()}"
+                       f" (--config.{dotted})")
+
+
+def check_paths(cfg) -> None:
+  """ValueError naming the first path setting that does not exist (data.source, the tokenizer,
+  checkpoint.restore_from, init_from); the files' contents are checked where they are read."""
+  data = cfg.data
+  if data.source not in ("stdlib", "synthetic") and not glob.glob(os.path.expanduser(data.source)):
+    raise ValueError(f"data.source={data.source!r} does not exist (a file, directory or glob of"
+                     " .txt/.jsonl/.parquet; or 'stdlib' / 'synthetic')")
+  if data.tokenizer != "byte" and not os.path.isfile(os.path.expanduser(data.tokenizer)):
+    raise ValueError(f"data.tokenizer={data.tokenizer!r} is not 'byte' or an existing"
+                     " tokenizer.json file")
+  restore = cfg.checkpoint.restore_from
+  if restore and not os.path.isdir(os.path.expanduser(restore)):
+    raise ValueError(f"checkpoint.restore_from={restore!r} is not a directory (a run's checkpoint"
+                     " directory, or one step directory of it)")
+  if cfg.init_from.startswith("hf:") and len(cfg.init_from) > 3:
+    model_dir = os.path.expanduser(cfg.init_from[3:])
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+      raise ValueError(f"init_from={cfg.init_from!r}: {model_dir} holds no config.json (a Hugging"
+                       " Face model directory)")

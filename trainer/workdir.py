@@ -1,0 +1,108 @@
+"""The run's working directory: usable before anything else happens, held by one trainer at a
+time, and its config.json rewritten only when training really continues.
+
+The lock is an exclusive `flock` on WORKDIR/.meshtron.lock (released by the kernel when the
+process ends, however it ends), whose text names the holder: host, pid and start time. A second
+trainer fails at once naming the holder. A lock file left by a process that is gone is taken over
+with a warning. Only process 0 of a multi-process run takes it (the others share the directory).
+"""
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import tempfile
+
+from absl import logging
+
+LOCK_NAME = ".meshtron.lock"
+
+
+class WorkdirError(ValueError):
+  """The workdir cannot be used; the message says why and what to do."""
+
+
+def check(path: str) -> str:
+  """Checks, changing nothing, that `path` is a writable directory or can be created as one
+  (its nearest existing ancestor is writable); returns it absolute."""
+  path = os.path.abspath(os.path.expanduser(path))
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    what = "is a file" if existing == path else f"lies under the file {existing}"
+    raise WorkdirError(f"workdir {path} {what}, not a directory; choose another --workdir")
+  try:  # a real write (deleted at once): permissions, read-only mounts and quotas all show
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    made = "is not writable" if existing == path else f"cannot be created in {existing}"
+    raise WorkdirError(f"workdir {path} {made} ({e.strerror}); fix the permissions or choose"
+                       " another --workdir") from None
+  return path
+
+
+def prepare(path: str) -> None:
+  """Creates the checked workdir `path` (and its missing parents)."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"workdir {path} cannot be created ({e.strerror}); choose another"
+                       " --workdir") from None
+
+
+def _holder(text: str) -> str:
+  try:
+    info = json.loads(text)
+    return f"pid {info['pid']} on {info['host']} (started {info['started']})"
+  except (ValueError, KeyError, TypeError):
+    return "another process"
+
+
+@contextlib.contextmanager
+def locked(path: str, enabled: bool = True):
+  """Holds the workdir's lock for the block (a no-op when not `enabled`: processes > 0)."""
+  if not enabled:
+    yield
+    return
+  lock_path = os.path.join(path, LOCK_NAME)
+  fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise
+      held_by = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+      raise WorkdirError(f"workdir {path} is in use by {held_by}; wait for that run to end, or"
+                         " use another --workdir") from None
+    previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if previous:
+      logging.warning("taking over the lock of %s, which is no longer running", _holder(previous))
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    try:
+      yield
+    finally:
+      os.ftruncate(fd, 0)  # released cleanly: nothing to take over
+  finally:
+    os.close(fd)
+
+
+def write_config(path: str, config: dict, start: int) -> None:
+  """Writes config.json for a run that trains from step `start`: unchanged when the file says the
+  same; otherwise the earlier one is kept beside it as config.before-step-<start>.json."""
+  target = os.path.join(path, "config.json")
+  text = json.dumps(config, indent=2)
+  if os.path.exists(target):
+    with open(target, encoding="utf-8") as f:
+      if f.read() == text:
+        return
+    os.replace(target, os.path.join(path, f"config.before-step-{start}.json"))
+  with open(target, "w", encoding="utf-8") as f:
+    f.write(text)
