@@ -4,12 +4,12 @@ Kubernetes), timeouts that never hang, and hard exits so no peer waits in a coll
 import glob
 import os
 import sys
-import threading
 import traceback
 
 import jax
 
 from trainer.config import DistributedConfig
+from trainer.join_watch import JoinWatch
 
 
 def detect_launcher() -> str | None:
@@ -79,20 +79,9 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
       "OMPI_COMM_WORLD_SIZE") or "?"
   me = process_id if process_id >= 0 else os.environ.get(
       "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
-  joined = threading.Event()
-
-  def watchdog():
-    if not joined.wait(cfg.initialization_timeout_s):
-      print(f"meshtron: error: not all {expected} processes joined within"
-            f" {cfg.initialization_timeout_s} s (this is process {me}, coordinator"
-            f" {coordinator or 'from the launcher'}); check that every process was started and"
-            " can reach the coordinator, or raise"
-            " --config.distributed.initialization_timeout_s", file=sys.stderr, flush=True)
-      os._exit(1)
-
-  threading.Thread(target=watchdog, daemon=True, name="meshtron-join-watchdog").start()
+  watch = JoinWatch(coordinator, me, expected, cfg.initialization_timeout_s)
   jax.distributed.initialize(**kwargs)
-  joined.set()
+  watch.joined()
   return True
 
 
