@@ -24,6 +24,10 @@ MODELS = {
                              mlp_dim=14_336, **_LLAMA3, **_LLAMA31_ROPE),
     "llama3_70b": ModelConfig(embed_dim=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                               mlp_dim=28_672, **_LLAMA3, **_LLAMA31_ROPE),
+    # Llama 2 70B (MaxText's llama2-70b: the published 64xH100 FSDP anchor is this model).
+    "llama2_70b": ModelConfig(embed_dim=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              mlp_dim=28_672, vocab_size=32_000, head_dim=128,
+                              rope_theta=10_000.0, norm_eps=1e-5, dtype="bfloat16"),
     "llama3_405b": ModelConfig(embed_dim=16_384, num_layers=126, num_heads=128, num_kv_heads=8,
                                mlp_dim=53_248, **_LLAMA3, **_LLAMA31_ROPE),
     "playbook_1b": ModelConfig(embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=32,

@@ -5,7 +5,17 @@ import jax
 from kernels import reference
 from kernels.flash_attention import flash_attention
 
-IMPLS = ("xla", "dot_product", "cudnn", "pallas_flash")
+IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas_flash")
+# What "auto" runs, by platform. On GPUs a flash kernel: pallas_flash, because it also compiles
+# without a GPU (cuDNN's fused attention needs the cuDNN library at compile time) and until the
+# GPU check of issue [15] measures cuDNN faster on our H100. Elsewhere the XLA reference.
+AUTO = {"gpu": "pallas_flash", "cuda": "pallas_flash", "rocm": "pallas_flash"}
+
+
+def resolve(impl: str, platform: str) -> str:
+  """The implementation `impl` means on `platform` ("cpu", "gpu", ...): "auto" is a flash kernel
+  on GPUs and "xla" elsewhere; any other impl is itself."""
+  return AUTO.get(platform, "xla") if impl == "auto" else impl
 
 
 def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xla"):
@@ -15,12 +25,13 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
     q: [B, L, H, d]; k, v: [B, L, K, d] with H a multiple of K.
     segment_ids: optional [B, L] document ids (packed sequences never attend across documents).
     causal: mask future positions.
-    impl: "xla" (the plain-jnp reference), "dot_product" (`jax.nn.dot_product_attention`, XLA
+    impl: "auto" (resolve(impl, JAX's default backend)), "xla" (the plain-jnp reference), "dot_product" (`jax.nn.dot_product_attention`, XLA
       lowering), "cudnn" (the same call with the cuDNN fused kernel; GPU only) or
       "pallas_flash" (`kernels.flash_attention`: Triton on GPUs, the Pallas interpreter on CPU).
   Returns:
     [B, L, H, d] attention output.
   """
+  impl = resolve(impl, jax.default_backend())
   if impl == "xla":
     return reference.attention(q, k, v, segment_ids, causal=causal)
   if impl in ("dot_product", "cudnn"):

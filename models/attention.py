@@ -8,7 +8,8 @@ import kernels
 from models.config import ModelConfig
 from models.layers import Einsum
 from models.rope import apply_rope, inverse_frequencies
-from sharding import constrain, context_attention, sequence_axes, shard_map_logical
+from kernels.attention import resolve as resolve_impl
+from sharding import constrain, context_attention, platform, sequence_axes, shard_map_logical
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -54,9 +55,9 @@ class Attention(nnx.Module):
                 else kernels.allgather_attention)
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
       out = context_attention(kernel, q, k, v, positions_BL, segments)
-    elif self.impl == "pallas_flash":
+    elif (impl := resolve_impl(self.impl, platform())) == "pallas_flash":
       out = _flash_per_device(q, k, v, segment_ids_BL)
     else:
-      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=self.impl)
+      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl)
     out = constrain(out, Q_NAMES)
     return self.o("BLHd,HdD->BLD", out)

@@ -131,7 +131,8 @@ class ModelConfig:
   embed_init_std: float = 0.02
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of activations and matmuls
-  attention_impl: str = "xla"
+  # "auto": a flash kernel on GPUs, the XLA reference on CPU (kernels/attention.resolve).
+  attention_impl: str = "auto"
   # With the sequence split over `context`: "ring" (K/V blocks passed around the devices) or
   # "allgather" (K/V gathered, then attended locally).
   context_impl: str = "ring"

@@ -53,6 +53,13 @@ def active() -> _Context | None:
   return _CURRENT.get()
 
 
+def platform() -> str:
+  """The platform of the devices the current context's mesh holds ("gpu" for a deviceless GPU
+  target too), else JAX's default backend: what a kernel choice like attention "auto" needs."""
+  ctx = _CURRENT.get()
+  return ctx.mesh.devices.flat[0].platform if ctx is not None else jax.default_backend()
+
+
 def axes_of(name: str) -> tuple[str, ...]:
   """The mesh axes (size > 1) that split logical dim `name` in the current context, less those
   an enclosing vmap has taken (`excluding`); () outside a context."""

@@ -16,8 +16,10 @@ from trainer.step import make_grads_fn
 # Every dim divides every mesh size up to 8: heads 16 / kv heads 8 (GQA), embed 32, mlp 64,
 # vocab 264 = 8 x 33; batch 32 = 8 data-parallel devices x 4 microbatches; seq 16 = tensor 8 x 2
 # for sequence parallelism.
+# attention_impl "xla", what "auto" runs on CPU, named: the analytic estimates these programs are
+# checked against then count the reference's [s, s] scores (the estimator takes "auto" as flash).
 MODEL = ModelConfig(vocab_size=264, embed_dim=32, num_layers=2, num_heads=16, num_kv_heads=8,
-                    head_dim=8, mlp_dim=64)
+                    head_dim=8, mlp_dim=64, attention_impl="xla")
 BATCH, SEQ, STEPS = 32, 16, 3
 OPTIM = OptimConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
 

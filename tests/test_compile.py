@@ -144,3 +144,31 @@ def test_train_refuses_a_layout_that_does_not_fit(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert "the compiled train step needs" in last and "device_memory_gib allows 0.30 GiB" in last
   assert not (tmp_path / "metrics.jsonl").exists()  # refused before training started
+
+
+def test_gpu_report_predicts_the_step_from_the_scheduled_program():
+  """sharding/xla/step_time.py on the compiled H100 program (its formulas: test_step_time.py):
+  the step is at least its kernels and at most kernels + every collective; tokens/s/GPU is the
+  step's tokens over its time and devices; a CPU program gets no prediction."""
+  rep = gpu_report("h100x8", fsdp=4, tensor=2)
+  st = rep.step_time
+  assert st["profile"] == "h100" and st["compute_s"] > 0
+  assert st["compute_s"] <= st["step_s"] <= st["compute_s"] + st["communication_s"] + 1e-12
+  assert st["exposed_communication_s"] == pytest.approx(st["step_s"] - st["compute_s"])
+  assert st["tokens_per_s_per_gpu"] == pytest.approx(64 * 64 / st["step_s"] / 8)
+  totals = [op["total_s"] for op in st["top_ops"]]
+  assert len(totals) == 10 and totals == sorted(totals, reverse=True)
+  assert "predicted step" in compiled.format_report(rep)
+  assert compile_locally(debug(data=8)).step_time == {}
+
+
+def test_auto_attention_is_a_flash_kernel_on_gpu_targets_and_xla_on_cpu(tmp_path):
+  """The default attention_impl "auto": the H100 program holds the Pallas flash kernels, the
+  CPU program of the same config none (and the [s, s] scores instead)."""
+  cfg = debug(data=8)
+  assert cfg.model.attention_impl == "auto"
+  gpu_hlo, cpu_hlo = tmp_path / "gpu.hlo", tmp_path / "cpu.hlo"
+  compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(gpu_hlo))
+  compile_locally(cfg, hlo_path=str(cpu_hlo))
+  assert "flash_attention_fwd" in gpu_hlo.read_text()
+  assert "flash_attention" not in cpu_hlo.read_text()

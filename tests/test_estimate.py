@@ -266,3 +266,14 @@ def test_pipeline_keeps_the_first_stage_activations_and_sp_divides_them():
   assert pp == none
   sp = memory(model, Layout(tensor=8, sequence_parallel=True), 4096, PLAYBOOK_MIXED, formula="playbook")
   assert sp.activations == none / 8
+
+
+def test_the_estimator_takes_auto_attention_as_flash():
+  """GPU plans assume the flash kernel "auto" runs there: no [s, s] scores stored; naming xla
+  adds them back."""
+  auto = MODELS["llama3_8b"]
+  xla = dataclasses.replace(auto, attention_impl="xla")
+  assert auto.attention_impl == "auto"
+  assert model_spec(auto).flash_attention and not model_spec(xla).flash_attention
+  layout = Layout(fsdp=8, micro_batch=1)
+  assert memory(xla, layout, 4096).activations > memory(auto, layout, 4096).activations

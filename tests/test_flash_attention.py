@@ -168,3 +168,10 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
     jax.eval_shape(_flash_per_device, q, kv, kv, segments)
   with trainer.context(), sharding.record_constraints():
     jax.eval_shape(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())
+
+
+def test_auto_means_flash_on_gpus_and_the_reference_elsewhere():
+  from kernels.attention import resolve
+  assert resolve("auto", "gpu") == "pallas_flash" and resolve("auto", "cuda") == "pallas_flash"
+  assert resolve("auto", "cpu") == "xla" and resolve("cudnn", "gpu") == "cudnn"
+  assert resolve("xla", "gpu") == "xla"

@@ -14,13 +14,15 @@ import tempfile
 import time
 
 from sharding.xla import compiled as compiled_report
-from sharding.xla import presets
+from sharding.plan import hardware
+from sharding.xla import presets, step_time
 from trainer.config import TrainConfig, config_from_dict
 
 
 def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
-                    hlo_path: str = "") -> compiled_report.CompiledReport:
-  """Compiles the train step from abstract inputs (nothing allocated) on `devices`."""
+                    hlo_path: str = "", gpus_per_node: int = 8) -> compiled_report.CompiledReport:
+  """Compiles the train step from abstract inputs (nothing allocated) on `devices`; a GPU
+  program's step time is predicted from its scheduled HLO (sharding/xla/step_time.py)."""
   import jax
 
   from trainer.trainer import Trainer  # after the caller configured JAX's platforms and devices
@@ -46,9 +48,16 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
       "model FLOPs per device per step (6N + attention)":
           f"{cfg.model.flops_per_token(cfg.seq_len) * tokens / len(devices):.4g}",
   }
+  text = executable.as_text()
+  profile = hardware.profile_of_device(getattr(devices[0], "device_kind", ""))
+  if profile is not None and rep.is_scheduled:
+    predicted = step_time.predict(text, profile, gpus_per_node)
+    rep.step_time = predicted.summary(tokens, cfg.model.flops_per_token(cfg.seq_len) * tokens,
+                                      len(devices), profile.peak_bf16_flops)
+    rep.step_time["profile"] = profile.name
   if hlo_path:
     with open(hlo_path, "w") as f:
-      f.write(executable.as_text())
+      f.write(text)
   return rep
 
 
@@ -88,7 +97,7 @@ def _worker(request_path: str, response_path: str) -> None:
     sys.exit(f"no deviceless GPU compiler: install the gpu-aot extra"
              f" (pip install -e '.[gpu-aot]') and keep JAX_PLATFORMS=cpu ({e})")
   try:
-    rep = compile_locally(cfg, target.name, devices, request["hlo_path"])
+    rep = compile_locally(cfg, target.name, devices, request["hlo_path"], target.devices_per_host)
   except ValueError as e:
     sys.exit(str(e).splitlines()[0])
   rep.extra["device memory"] = f"{target.device_memory_bytes / 2**30:.1f} GiB ({target.gpu})"

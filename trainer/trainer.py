@@ -1,11 +1,13 @@
 """The Trainer: everything built once for a run (layout, model, optimizer, shardings, jitted
 steps), abstract until `init_state()` materializes the state directly into its shardings."""
 
+import dataclasses
 import time
 
 import jax
 
 import sharding
+from kernels.attention import resolve as resolve_attention
 from models import abstract_model, param_names
 from sharding import report
 from sharding.plan import estimate
@@ -109,7 +111,10 @@ class Trainer:
     precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype,
                                            cfg.grad_accum_dtype)
     layout = cfg.layout(self.mesh.devices.size)
-    need = estimate.memory(cfg.model, layout, cfg.seq_len, precision, workspace_bytes=0).total
+    # The attention this platform runs ("auto" is the XLA reference here, with its [s, s] scores).
+    model = dataclasses.replace(cfg.model, attention_impl=resolve_attention(
+        cfg.model.attention_impl, self.mesh.devices.flat[0].platform))
+    need = estimate.memory(model, layout, cfg.seq_len, precision, workspace_bytes=0).total
     if need > limit:
       raise ValueError(
           f"the train step needs about {need / 2**30:.2f} GiB per device (analytic estimate) but"

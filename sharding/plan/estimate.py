@@ -106,7 +106,9 @@ def model_spec(model) -> ModelSpec:
     moe = MoESpec(moe.num_experts, getattr(moe, "experts_per_token", None) or moe.top_k,
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
                   getattr(moe, "shared_experts", 0) if shared is None else shared)
-  flash = getattr(model, "attention_impl", "xla") in ("cudnn", "pallas_flash")
+  # "auto" is a flash kernel on GPUs, and GPUs are what the estimator plans for (a CPU run's
+  # host-memory check passes the impl resolved for its platform).
+  flash = getattr(model, "attention_impl", "xla") in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
                    flash)

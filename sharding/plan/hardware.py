@@ -40,6 +40,16 @@ class HardwareProfile:
   # Fraction of each kind of communication hidden behind compute.
   overlap: tuple = (("grad_sync", 0.8), ("param_sync", 0.0), ("zero3", 0.8), ("tensor", 0.2),
                     ("context", 0.8), ("pipeline", 0.5), ("expert", 0.0))
+  # ---- the compiled-program model (sharding/xla/step_time.py); each value's source below ----
+  gemm_peak_fraction: float = 0.807  # of peak_bf16_flops a large GEMM reaches
+  flash_triton_fraction: float = 0.35  # of peak, a Triton (Pallas) flash-attention kernel
+  flash_cudnn_fraction: float = 0.60  # of peak, cuDNN's fused attention
+  copy_bandwidth: float = 3.0e12  # bytes/s read + written by a memory-bound kernel
+  kernel_overhead_s: float = 3e-6  # per kernel launch
+  nvlink_busbw: float = 460e9  # bus bandwidth of a collective inside a node, bytes/s
+  network_busbw_per_gpu: float = 50e9  # bus bandwidth per GPU of a collective across nodes
+  collective_latency_s: float = 20e-6  # per collective inside a node
+  network_latency_s: float = 30e-6  # per collective across nodes
 
   def overlap_of(self, phase: str) -> float:
     return dict(self.overlap)[phase]
@@ -53,11 +63,33 @@ GIB = 2 ** 30
 # A100 80GB SXM: 312 TFLOP/s bf16, no fp8, 2.04 TB/s, NVLink 600 GB/s, 200 Gb/s HDR per GPU
 # (nvidia.com/en-us/data-center/a100). B200 (HGX B200): 2.25 PFLOP/s bf16 and 4.5 fp8 dense,
 # 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s, 400 Gb/s per GPU (nvidia.com/en-us/data-center/hgx).
+#
+# The compiled-program model's constants (fixed before its comparison with published anchors):
+# - gemm_peak_fraction: a 8192^3 bf16 matrix product of random data ran at 798 TFLOP/s on this
+#   workplace's H100 (device machine notes, 2026-11-13) and 769-798 on its H200 (2026-11-04):
+#   798 / 989.4 = 0.807 (H100), 0.80 (H200). A100/B200: the H100 figure, not measured.
+# - flash_triton_fraction: FlashAttention-2 (the Triton/Pallas kernel's algorithm) reaches 35% of
+#   an H100's bf16 peak (FlashAttention-3, arXiv:2407.08608, abstract). flash_cudnn_fraction:
+#   cuDNN's fused attention about 600 of 989 TFLOP/s at head dim 128 (ibid., Fig. 5), approximate.
+# - copy_bandwidth: a device-to-device copy moved 3.0 TB/s (read + write) on this workplace's
+#   H100 and 4.3 TB/s on its H200 (device machine notes); A100/B200: 90% of the data sheet.
+# - kernel_overhead_s: ~2.5 us of dispatch per kernel (a 24 us kernel took 25.8 us from a CUDA
+#   graph, 28.3 us by cuLaunchKernel: dogacel.github.io, 2026-03-14); 3 us here.
+# - nvlink_busbw: nccl-tests all_reduce_perf bus bandwidth at large sizes on 8x H100 SXM5,
+#   460-480 GB/s (docs.alayanew.com, 2026-05-06); the low end. network_busbw_per_gpu: NVLink +
+#   NDR InfiniBand clusters reach 400-450 GB/s of all_reduce bus bandwidth per 8-GPU node
+#   (saturncloud.io, Crusoe NCCL validation): 400 / 8 = 50 GB/s per GPU, its NIC's line rate.
+# - collective_latency_s, network_latency_s: nccl-tests' small-message all_reduce times on one
+#   and on several H100 nodes, about 20 and 30 us; approximate readings.
 PROFILES = {
     "h100": HardwareProfile("h100", 80e9, 989.4e12, 1978.9e12, 3.35e12, 450e9, 50e9),
-    "h200": HardwareProfile("h200", 141e9, 989.4e12, 1978.9e12, 4.8e12, 450e9, 50e9),
-    "a100": HardwareProfile("a100", 80e9, 312e12, 312e12, 2.039e12, 300e9, 25e9),
-    "b200": HardwareProfile("b200", 180e9, 2250e12, 4500e12, 8e12, 900e9, 50e9),
+    "h200": HardwareProfile("h200", 141e9, 989.4e12, 1978.9e12, 4.8e12, 450e9, 50e9,
+                            gemm_peak_fraction=0.80, copy_bandwidth=4.3e12),
+    "a100": HardwareProfile("a100", 80e9, 312e12, 312e12, 2.039e12, 300e9, 25e9,
+                            copy_bandwidth=0.9 * 2.039e12, nvlink_busbw=240e9,
+                            network_busbw_per_gpu=25e9),
+    "b200": HardwareProfile("b200", 180e9, 2250e12, 4500e12, 8e12, 900e9, 50e9,
+                            copy_bandwidth=0.9 * 8e12, nvlink_busbw=2 * 460e9),
 }
 
 

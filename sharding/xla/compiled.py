@@ -4,7 +4,7 @@ import dataclasses
 import os
 import re
 
-from sharding.xla import hlo, overlap
+from sharding.xla import hlo, overlap, step_time
 
 GIB = 1024 ** 3
 _TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
@@ -80,6 +80,9 @@ class CompiledReport:
   # overlap.summarize of the collectives: wire bytes with compute scheduled between start and
   # done ("hidden") and without ("exposed"); {} in reports made before it existed.
   overlap: dict = dataclasses.field(default_factory=dict)
+  # step_time.StepPrediction.summary of a GPU program: the predicted step, tokens/s/GPU, MFU and
+  # the costliest ops; {} for CPU programs and reports made before it existed.
+  step_time: dict = dataclasses.field(default_factory=dict)
 
   @property
   def wire_bytes(self) -> float:
@@ -119,7 +122,8 @@ def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -
 
 
 def from_json(data: dict) -> CompiledReport:
-  return CompiledReport(**data)
+  known = {f.name for f in dataclasses.fields(CompiledReport)}
+  return CompiledReport(**{k: v for k, v in data.items() if k in known})
 
 
 def fits(rep: CompiledReport, device_memory_bytes: int) -> tuple[bool, float]:
@@ -175,4 +179,6 @@ def format_report(rep: CompiledReport, device_memory_bytes: int | None = None) -
     lines.append(f"overlap: {o['hidden_bytes'] / 2**20:.3f} MiB ({o['hidden_fraction']:.0%}) have"
                  f" kernels scheduled between start and done ({o['matmul_hidden_fraction']:.0%}"
                  f" a matmul); {o['exposed_bytes'] / 2**20:.3f} MiB exposed")
+  if rep.step_time:
+    lines.append(step_time.format_prediction(rep.step_time))
   return "\n".join(lines)

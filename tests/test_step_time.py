@@ -1,0 +1,143 @@
+"""sharding/xla/step_time.py: the roofline over a scheduled GPU program, on deviceless H100 HLO.
+
+Each expected number is computed here from the instruction's shapes and the H100 profile's
+constants, by the formula the module states.
+"""
+
+import dataclasses
+import os
+
+import pytest
+
+from sharding.plan import hardware
+from sharding.xla import hlo, step_time
+
+SAMPLES = os.path.join(os.path.dirname(__file__), "hlo_samples")
+H100 = hardware.PROFILES["h100"]
+
+
+def sample(name: str) -> str:
+  with open(os.path.join(SAMPLES, f"h100x8_{name}.hlo")) as f:
+    return f.read()
+
+
+def op(prediction, name):
+  return next(o for o in prediction.top_ops if o["name"] == name)
+
+
+def all_reduce_seconds(payload_bytes: int, group: int, bus_bandwidth: float, latency: float):
+  return 2 * (group - 1) / group * payload_bytes / bus_bandwidth + latency
+
+
+def test_gemm_fusion_costs_its_dot_flops_at_the_gemm_fraction():
+  """gemm_fusion_dot.6: f32[8,128,256] = dot(bf16[128,8,64], bf16[8,64,256]) contracting 64."""
+  prediction = step_time.predict(sample("mlp"), H100, top=50)
+  gemm = op(prediction, "gemm_fusion_dot.6")
+  flops = 2 * 8 * 128 * 256 * 64
+  moved = 128 * 8 * 64 * 2 + 8 * 64 * 256 * 2 + 8 * 128 * 256 * 4  # operands read, result written
+  assert gemm["kind"] == "gemm" and gemm["flops"] == flops and gemm["bytes"] == moved
+  assert gemm["seconds"] == pytest.approx(
+      max(flops / (H100.peak_bf16_flops * H100.gemm_peak_fraction), moved / H100.copy_bandwidth)
+      + H100.kernel_overhead_s)
+  assert prediction.compute_s <= prediction.step_s
+
+
+def test_a_loop_body_runs_its_trip_count_times():
+  """h100x8_scan: 5 iterations, each an all-reduce of f32[128,64] over groups of 4 in one node."""
+  prediction = step_time.predict(sample("scan"), H100)
+  reduce = op(prediction, "all-reduce-start")
+  one = all_reduce_seconds(128 * 64 * 4, 4, H100.nvlink_busbw, H100.collective_latency_s)
+  assert reduce["count"] == 5 and reduce["seconds"] == pytest.approx(one)
+  assert prediction.communication_s == pytest.approx(5 * one)
+
+
+def test_a_group_across_nodes_goes_over_the_network():
+  """The same psum over {0,1,2,3}: inside one node of 8, across two nodes of 2 GPUs each (the
+  ring then runs at the network's bandwidth per GPU times the GPUs per node)."""
+  text = sample("psum")
+  inside = step_time.predict(text, H100, gpus_per_node=8)
+  across = step_time.predict(text, H100, gpus_per_node=2)
+  payload = 128 * 64 * 4
+  assert inside.communication_s == pytest.approx(
+      all_reduce_seconds(payload, 4, H100.nvlink_busbw, H100.collective_latency_s))
+  assert across.communication_s == pytest.approx(
+      all_reduce_seconds(payload, 4, 2 * H100.network_busbw_per_gpu, H100.network_latency_s))
+  assert across.communication_s > inside.communication_s
+
+
+_PROGRAM = """HloModule overlap, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%gemm_computation (x: bf16[4096,4096], y: bf16[4096,4096]) -> bf16[4096,4096] {
+  %x = bf16[4096,4096]{1,0} parameter(0)
+  %y = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: f32[16777216], x: bf16[4096,4096]) -> (f32[16777216], bf16[4096,4096]) {
+  %p = f32[16777216]{0} parameter(0)
+  %x = bf16[4096,4096]{1,0} parameter(1)
+{body}
+  ROOT %out = (f32[16777216]{0}, bf16[4096,4096]{1,0}) tuple(%all-reduce-done, %gemm)
+}
+"""
+_START = ("  %all-reduce-start = f32[16777216]{0} all-reduce-start(%p), channel_id=1,"
+          " replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add")
+_DONE = "  %all-reduce-done = f32[16777216]{0} all-reduce-done(%all-reduce-start)"
+_GEMM = ("  %gemm = bf16[4096,4096]{1,0} fusion(%x, %x), kind=kCustom,"
+         " calls=%gemm_computation")
+
+
+def test_compute_between_start_and_done_hides_a_collective():
+  """The same all-reduce (64 MiB, 8 GPUs) and GEMM (4096^3) in two schedules: the GEMM between
+  start and done hides the collective up to the GEMM's time; after done it hides nothing."""
+  hidden = _PROGRAM.replace("{body}", "\n".join([_START, _GEMM, _DONE]))
+  exposed = _PROGRAM.replace("{body}", "\n".join([_START, _DONE, _GEMM]))
+  assert hidden != exposed
+  a, b = step_time.predict(hidden, H100), step_time.predict(exposed, H100)
+  gemm = 2 * 4096 ** 3 / (H100.peak_bf16_flops * H100.gemm_peak_fraction) + H100.kernel_overhead_s
+  reduce = all_reduce_seconds(16777216 * 4, 8, H100.nvlink_busbw, H100.collective_latency_s)
+  assert a.compute_s == pytest.approx(gemm) and b.compute_s == pytest.approx(gemm)
+  assert a.communication_s == pytest.approx(reduce) == b.communication_s
+  assert b.step_s == pytest.approx(gemm + reduce) and b.exposed_communication_s == pytest.approx(
+      reduce)
+  assert a.step_s == pytest.approx(max(gemm, reduce))
+  assert a.exposed_communication_s == pytest.approx(max(0.0, reduce - gemm))
+
+
+@pytest.mark.parametrize("attrs, first", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}", [0, 1, 2, 3]),
+    ("replica_groups=[2,4]<=[8]", [0, 1, 2, 3]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", [0, 4]),
+    ("replica_groups=[8,8]<=[8,8]T(1,0)", [0, 8, 16, 24, 32, 40, 48, 56])])
+def test_first_replica_group_of_each_text_form(attrs, first):
+  assert step_time._first_group(attrs) == first
+
+
+def test_constants_scale_the_prediction_as_the_formulas_say():
+  """Twice the NVLink bandwidth halves the wire time; twice the GEMM fraction halves a
+  compute-bound GEMM."""
+  text = _PROGRAM.replace("{body}", "\n".join([_START, _DONE, _GEMM]))
+  base = step_time.predict(text, H100)
+  fast_links = step_time.predict(text, dataclasses.replace(H100, nvlink_busbw=2 * H100.nvlink_busbw))
+  wire = base.communication_s - H100.collective_latency_s
+  assert fast_links.communication_s - H100.collective_latency_s == pytest.approx(wire / 2)
+  fast_gemm = step_time.predict(text, dataclasses.replace(
+      H100, gemm_peak_fraction=2 * H100.gemm_peak_fraction))
+  kernel = base.compute_s - H100.kernel_overhead_s
+  assert fast_gemm.compute_s - H100.kernel_overhead_s == pytest.approx(kernel / 2)
+  assert hlo.computations(text)  # the hand-written program parses
+
+
+def test_summary_gives_tokens_per_gpu_and_mfu():
+  prediction = step_time.StepPrediction(2.0, 1.5, 1.0, 0.5, [])
+  summary = prediction.summary(tokens_per_step=8 * 4096, model_flops_per_step=8e15, devices=8,
+                               peak_flops=1e15)
+  assert summary["tokens_per_s_per_gpu"] == pytest.approx(8 * 4096 / 2.0 / 8)
+  assert summary["mfu"] == pytest.approx(8e15 / 8 / 2.0 / 1e15)
+  assert "predicted step" in step_time.format_prediction(summary)
