@@ -9,7 +9,8 @@ from models.config import ModelConfig
 from models.layers import Einsum
 from models.rope import apply_rope, inverse_frequencies
 from kernels.attention import resolve as resolve_impl
-from sharding import constrain, context_attention, platform, sequence_axes, shard_map_logical
+from sharding import (constrain, context_attention, in_manual_region, platform, sequence_axes,
+                      shard_map_logical)
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -43,6 +44,13 @@ class Attention(nnx.Module):
     self.impl = cfg.attention_impl
     self.context_impl = cfg.context_impl
 
+  def resolved_impl(self) -> str:
+    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU and
+    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet)."""
+    if self.impl == "auto" and in_manual_region():
+      return "xla"
+    return resolve_impl(self.impl, platform())
+
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL) -> jax.Array:
     q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
     k = constrain(self.k("BLD,DKd->BLKd", x_BLD), KV_NAMES)
@@ -55,7 +63,7 @@ class Attention(nnx.Module):
                 else kernels.allgather_attention)
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
       out = context_attention(kernel, q, k, v, positions_BL, segments)
-    elif (impl := resolve_impl(self.impl, platform())) == "pallas_flash":
+    elif (impl := self.resolved_impl()) == "pallas_flash":
       out = _flash_per_device(q, k, v, segment_ids_BL)
     else:
       out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl)

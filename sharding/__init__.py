@@ -3,7 +3,8 @@ constrain() and state shardings. The analysis rooms are sharding.plan and shardi
 
 from sharding.collective_matmul import logical_all_gather_matmul, logical_matmul_reduce_scatter
 from sharding.context import (active, axes_of, constrain, constrain_tree, current, excluding,
-                              gradient_replica_axes, is_names, mesh_sizes, named_sharding, platform,
+                              gradient_replica_axes, is_names, mesh_sizes, named_sharding,
+                              in_manual_region, platform,
                               record_constraints, replicated, spec, tree_shardings, use_rules)
 from sharding.context_parallel import context_attention, sequence_axes, tokens_split, zigzag
 from sharding.expert import dropless_experts
@@ -19,7 +20,7 @@ __all__ = [
     "current", "DEFAULT_RULES", "dropless_experts", "excluding", "gradient_replica_axes",
     "is_names", "Layout", "layout_of", "layout_rules", "LayoutError", "logical_all_gather_matmul",
     "logical_matmul_reduce_scatter", "logical_to_spec", "lookup_moves_rows", "make_mesh",
-    "mesh_sizes", "MeshConfig", "named_sharding", "parse_overrides", "platform", "record_constraints",
+    "mesh_sizes", "MeshConfig", "named_sharding", "parse_overrides", "in_manual_region", "platform", "record_constraints",
     "replicated", "resolve", "resolve_sizes", "role_rules", "RunLayout", "sequence_axes",
     "shard_map_logical", "spec", "split_across_hosts", "split_vocab_over_fsdp", "tokens_split", "tree_shardings",
     "use_rules", "with_overrides", "zigzag",

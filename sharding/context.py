@@ -60,6 +60,13 @@ def platform() -> str:
   return ctx.mesh.devices.flat[0].platform if ctx is not None else jax.default_backend()
 
 
+def in_manual_region() -> bool:
+  """Whether tracing is inside a shard_map that is manual over some mesh axis (a pipeline
+  stage), where a further shard_map over the context's mesh cannot nest."""
+  abstract = jax.sharding.get_abstract_mesh()
+  return not abstract.empty and jax.sharding.AxisType.Manual in abstract.axis_types
+
+
 def axes_of(name: str) -> tuple[str, ...]:
   """The mesh axes (size > 1) that split logical dim `name` in the current context, less those
   an enclosing vmap has taken (`excluding`); () outside a context."""

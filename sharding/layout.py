@@ -186,6 +186,14 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
       raise LayoutError("pipeline parallelism does not yet support MoE layers; use pipeline=1")
     if getattr(getattr(model, "fp8", None), "enabled", False):
       raise LayoutError("pipeline parallelism does not yet support model.fp8; use pipeline=1")
+    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
+    # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
+    if layout.context > 1:
+      raise LayoutError("pipeline parallelism does not yet support context parallelism; use"
+                        " context=1 or pipeline=1")
+    if getattr(model, "attention_impl", "xla") == "pallas_flash":
+      raise LayoutError("model.attention_impl=pallas_flash does not yet run inside a pipeline"
+                        " stage; use attention_impl=auto (the reference there) or pipeline=1")
     if model.num_layers % chunks:
       raise LayoutError(f"model.num_layers={model.num_layers} is not divisible by pipeline="
                         f"{stages} x virtual_stages={layout.virtual_stages}")

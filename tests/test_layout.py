@@ -51,6 +51,12 @@ def test_layout_errors_are_one_line_and_before_compiling():
   cfg.model = dataclasses.replace(cfg.model, fp8=dataclasses.replace(cfg.model.fp8, enabled=True))
   with pytest.raises(LayoutError, match="pipeline parallelism does not yet support model.fp8"):
     cfg.layout(8)
+  with pytest.raises(LayoutError, match="does not yet support context parallelism"):
+    harness.config(M(pipeline=2, context=2, data=2)).layout(8)
+  cfg = harness.config(M(pipeline=2, data=4))
+  cfg.model = dataclasses.replace(cfg.model, attention_impl="pallas_flash")
+  with pytest.raises(LayoutError, match="pallas_flash does not yet run inside a pipeline stage"):
+    cfg.layout(8)
   cfg = harness.config(M(data=8))
   cfg.batch_size = 12
   with pytest.raises(LayoutError) as error:

@@ -255,3 +255,38 @@ def test_bad_input_is_one_line(args, message):
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()
   assert lines[-1].startswith("meshtron: error:") and message in lines[-1], proc.stderr
+
+
+def test_compile_top_compiles_the_best_layouts_and_ranks_them_again(tmp_path):
+  """--compile_top=3: the analytic top 3 compiled for h100x8 without a GPU; the JSON holds both
+  rankings, every compiled layout its predicted step and compiled peak, and --out the fastest
+  compiled layout that fits."""
+  out = tmp_path / "best.py"
+  proc = meshtron("plan", "--model=llama3_1b", "--nodes=1", "--compile_top=3", "--json",
+                  f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  analytic, compiled = report["analytic"], report["compiled"]
+  assert [c["layout"] for c in compiled] == [a["layout"] for a in analytic[:3]]
+  assert [c["analytic_rank"] for c in compiled] == [1, 2, 3]
+  for c, a in zip(compiled, analytic):
+    assert c["compiled"] and c["tokens_per_s_per_gpu"] > 0 and c["compiled_peak_gib"] > 0
+    assert c["tokens_per_s_per_gpu"] != a["tokens_per_s_per_gpu"]  # a second, different model
+    assert 0 < c["mfu"] < 1 and c["fits"] == (c["compiled_peak_gib"] <= 79.2)
+  fitting = [c for c in compiled if c["fits"]]
+  best = max(fitting, key=lambda c: c["tokens_per_s_per_gpu"])
+  assert best["layout"] in out.read_text()
+
+
+@pytest.mark.slow
+def test_compile_top_16_of_a_70b_on_8_nodes_takes_under_5_minutes():
+  """The issue's bound: `meshtron plan --model=llama3_70b --gpu=h100 --nodes=8 --compile_top=16`
+  in under 5 minutes on 2 cores, printing both rankings."""
+  start = time.perf_counter()
+  proc = meshtron("plan", "--model=llama3_70b", "--gpu=h100", "--nodes=8", "--compile_top=16")
+  seconds = time.perf_counter() - start
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert seconds < 300, seconds
+  text = proc.stdout
+  assert "layouts considered" in text and "compiled for h100x64 without a GPU: 16 layouts" in text
+  assert "ranked by the step predicted from each program" in text

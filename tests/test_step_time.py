@@ -141,3 +141,69 @@ def test_summary_gives_tokens_per_gpu_and_mfu():
   assert summary["tokens_per_s_per_gpu"] == pytest.approx(8 * 4096 / 2.0 / 8)
   assert summary["mfu"] == pytest.approx(8e15 / 8 / 2.0 / 1e15)
   assert "predicted step" in step_time.format_prediction(summary)
+
+
+_LOOP = """HloModule loop, is_scheduled=true
+
+%less (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(7)
+  ROOT %lt = pred[] compare(%p, %bound), direction=LT
+}
+
+%cond (t: (s32[], bf16[4096,4096])) -> pred[] {
+  %t = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %test = pred[] fusion(%i), kind=kLoop, calls=%less
+}
+
+%gemm_computation (x: bf16[4096,4096], y: bf16[4096,4096]) -> bf16[4096,4096] {
+  %x = bf16[4096,4096]{1,0} parameter(0)
+  %y = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
+  %t = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[4096,4096]{1,0} get-tuple-element(%t), index=1
+  %gemm = bf16[4096,4096]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation
+  ROOT %next = (s32[], bf16[4096,4096]{1,0}) tuple(%i, %gemm)
+}
+
+ENTRY %main (x: bf16[4096,4096]) -> (s32[], bf16[4096,4096]) {
+  %x = bf16[4096,4096]{1,0} parameter(0)
+  %start = s32[] constant(2)
+  %init = s32[] copy(%start)
+  %tuple = (s32[], bf16[4096,4096]{1,0}) tuple(%init, %x)
+  ROOT %while = (s32[], bf16[4096,4096]{1,0}) while(%tuple), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+}
+"""
+
+
+def test_a_loop_without_known_trip_count_is_counted_from_its_condition():
+  """XLA drops known_trip_count from loops it rewrote (the gradient-accumulation loop after
+  peeling): `i < 7` from i = 2 runs 5 times. With the initial value unknown it counts once."""
+  comps = hlo.computations(_LOOP)
+  loop = next(x for x in comps["main"] if x.op == "while")
+  assert hlo.trip_count(loop, comps, "main") == 5
+  assert op(step_time.predict(_LOOP, H100), "gemm")["count"] == 5
+  unknown = _LOOP.replace("%init = s32[] copy(%start)", "%init = s32[] parameter(1)")
+  comps = hlo.computations(unknown)
+  assert hlo.trip_count(next(x for x in comps["main"] if x.op == "while"), comps, "main") is None
+  assert op(step_time.predict(unknown, H100), "gemm")["count"] == 1
+
+
+def test_readme_anchor_table_is_rendered_from_the_committed_results():
+  """The README's predicted-vs-published table is what benchmarks/step_time_anchors.py renders
+  from benchmarks/results/step_time_anchors.jsonl (regenerate both with --readme README.md)."""
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(repo, "benchmarks"))
+  import step_time_anchors
+  rows = step_time_anchors.render(step_time_anchors.RESULTS)
+  readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
+  section = readme.split(step_time_anchors.BEGIN)[1].split(step_time_anchors.END)[0]
+  assert section.strip() == rows.strip()
+  assert {a.name for a in step_time_anchors.ANCHORS} == {
+      line.split(" | ")[0].lstrip("| ") for line in rows.splitlines()[2:5]}

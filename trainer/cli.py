@@ -39,7 +39,7 @@ VERB_FLAGS = {
     "memory": ("model", "layout", "gpu", "seq", "precision", "plot", "json", "config", "gpus",
                "show_config"),
     "plan": ("model", "gpu", "nodes", "gpus_per_node", "gpus", "seq", "global_batch_tokens",
-             "precision", "top_k", "out", "json"),
+             "precision", "top_k", "compile_top", "out", "json"),
     "convert": ("from", "to", "model_dir", "workdir", "out", "overwrite"),
 }
 
@@ -81,6 +81,9 @@ _GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "plan: GPUs per node (
                                       " profile's, 8)")
 _BATCH = flags.DEFINE_string("global_batch_tokens", "1M", "plan: tokens per step (1M = 2**20)")
 _TOP = flags.DEFINE_integer("top_k", 10, "plan: layouts to print")
+_COMPILE_TOP = flags.DEFINE_integer(
+    "compile_top", 0, "plan: compile the best K layouts for the cluster without a GPU (h100/h200,"
+    " 2 at a time) and rank them again by the step predicted from each program")
 _OUT = flags.DEFINE_string("out", "", "plan: write the best layout as a config file here (none"
                            " without it); convert: the output directory")
 # convert
@@ -184,7 +187,8 @@ def _plan_verb(verb: str) -> None:
   else:
     planning.run_plan(model=_MODEL.value, gpus=_GPUS.value, nodes=_NODES.value,
                       gpus_per_node=_GPUS_PER_NODE.value, global_batch_tokens=_BATCH.value,
-                      top_k=_TOP.value, out=_OUT.value, **common)
+                      top_k=_TOP.value, out=_OUT.value, compile_top=_COMPILE_TOP.value,
+                      **common)
 
 
 def _device_verb(verb: str) -> None:

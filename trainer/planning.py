@@ -113,8 +113,9 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
 
 def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int, seq: int,
              global_batch_tokens: str, precision: str, top_k: int, out: str,
-             as_json: bool) -> None:
-  """The ranked layouts of a preset `model` on a cluster, and a config file for the best."""
+             as_json: bool, compile_top: int = 0) -> None:
+  """The ranked layouts of a preset `model` on a cluster, and a config file for the best; with
+  `compile_top` the best that many compiled and ranked again (trainer/compile_top.py)."""
   start = time.perf_counter()
   hw = hardware.load_profile(gpu)
   if gpus_per_node:
@@ -125,11 +126,18 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
   gpus = gpus or nodes * hw.gpus_per_node
   chosen = precision_by_name(precision)
   tokens = parse_tokens(global_batch_tokens)
+  if compile_top < 0:
+    raise ValueError(f"--compile_top={compile_top} must be 0 (analytic only) or a count of layouts")
+  if compile_top:
+    from configs import llama
+    from trainer import compile_top as compiling
+    compiling.gpu_target(hw.name, gpus)  # a target exists: refused before planning
+    if model not in llama.MODELS:
+      raise ValueError(f"--compile_top compiles trainer presets; {model} is the estimator's"
+                       f" own model (use one of {', '.join(sorted(llama.MODELS))})")
   result = planner.plan(spec, gpus, seq, tokens, chosen, hw)
   best = result.ranked[:top_k]
-  if as_json:
-    print(json.dumps([c.summary() for c in best]))
-  else:
+  if not as_json:
     print(f"{model} ({spec.num_params() / 1e9:.2f}B) on {gpus} x {hardware.gpu_summary(hw)};"
           f" seq {seq}, {tokens:,} tokens per step, {chosen.name}")
     print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit,"
@@ -142,10 +150,36 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
     print("\n".join(planner.rejection_summary(result.rejected)))
   if not best:
     raise ValueError(f"no layout of {model} fits on {gpus} {hw.name} GPUs")
-  if out and write_config(out, model, best[0].layout, seq) and not as_json:
+  compiled_best = []
+  if compile_top:
+    if not as_json:
+      print(f"compiling the best {min(compile_top, len(result.ranked))} layouts for"
+            f" {hw.name}x{gpus} without a GPU, {compiling.WORKERS} at a time ...", flush=True)
+    results, tables = compiling.run(model, result.ranked[:compile_top], seq, hw.name, gpus,
+                                    quiet=as_json)
+    compiled_best = compiling.reranked(results)
+    print(json.dumps({"analytic": [c.summary() for c in best],
+                      "compiled": [r.summary() for r in results]}) if as_json else tables)
+    if not compiled_best:
+      raise ValueError(f"none of the best {compile_top} layouts of {model} compiled and fit on"
+                       f" {gpus} {hw.name} GPUs")
+  elif as_json:
+    print(json.dumps([c.summary() for c in best]))
+  chosen_layout = compiled_best[0].candidate.layout if compile_top else best[0].layout
+  if out and write_config(out, model, chosen_layout, seq) and not as_json:
     print(f"wrote {out}: meshtron train --config={out}")
   elif not out and not as_json:
     print("--out=best.py writes the best layout as a config file for meshtron train")
+
+
+def train_config(model: str, layout: sharding.layout.Layout, seq: int):
+  """The TrainConfig of a preset under a planned layout: what write_config's file builds."""
+  from configs import llama
+  cfg = llama.large(model)
+  cfg.mesh = layout.mesh_config()
+  cfg.seq_len, cfg.batch_size, cfg.microbatches = seq, layout.global_batch, layout.microbatches
+  cfg.model = dataclasses.replace(cfg.model, remat=layout.remat)
+  return cfg
 
 
 def write_config(path: str, model: str, layout: sharding.layout.Layout, seq: int) -> bool:

@@ -277,6 +277,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
   m, lay = model_spec(model), layout
+  if lay.pipeline > 1 and getattr(model, "attention_impl", "xla") == "auto":
+    m = dataclasses.replace(m, flash_attention=False)  # pipeline stages run the reference
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)
   terms = activation_terms(m, precision.act_bytes, formula)

@@ -189,6 +189,46 @@ def arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
   return _leaves(type_str)
 
 
+_INDUCTION = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"(\d+)"')
+_CONSTANT = re.compile(r"\s*(-?\d+)\)")
+
+
+def trip_count(ins: Instr, comps: dict[str, list[Instr]], comp: str) -> int | None:
+  """Iterations of while loop `ins` (in computation `comp`): its known_trip_count, else read from
+  its condition, `induction < constant` with the induction variable's initial value a constant
+  (XLA leaves the count out of loops it rewrote, e.g. the gradient-accumulation loop once its
+  first iteration is peeled); None if neither says."""
+  if trip := _TRIP.search(ins.attrs):
+    return int(trip.group(1))
+  parts = dict(_WHILE_PART.findall(ins.attrs))
+  body = comps.get(parts.get("condition", ""), [])
+  root = body[-1] if body else None
+  if root is not None and root.op == "fusion":  # the compare fused with its constant
+    fused = [c for c in callees(root) if c in comps]
+    body, root = (comps[fused[0]], comps[fused[0]][-1]) if fused else (body, None)
+  if root is None or root.op != "compare" or "direction=LT" not in root.attrs:
+    return None
+  values = {x.name: int(m.group(1)) for x in body
+            if x.op == "constant" and (m := _CONSTANT.match(x.attrs))}
+  bound = values.get((operands(root)[1:2] or [""])[0])
+  index = int(m.group(1)) if (m := _INDUCTION.search(ins.attrs)) else 0
+  init = _constant_of(comps.get(comp, []), operands(ins)[:1], index)
+  return None if bound is None or init is None else max(0, bound - init)
+
+
+def _constant_of(instrs: list[Instr], names: list[str], index: int) -> int | None:
+  """The value of element `index` of the while operand `names[0]` when it is a constant (through
+  tuple, copy and bitcast instructions)."""
+  by_name = {x.name: x for x in instrs}
+  x = by_name.get(names[0]) if names else None
+  if x is not None and x.op == "tuple":
+    x = by_name.get((operands(x)[index:index + 1] or [""])[0])
+  while x is not None and x.op in ("copy", "bitcast"):
+    x = by_name.get((operands(x) or [""])[0])
+  m = _CONSTANT.match(x.attrs) if x is not None and x.op == "constant" else None
+  return int(m.group(1)) if m else None
+
+
 def _counts(comps: dict[str, list[_Instr]]) -> tuple[dict[str, int], dict[str, bool], set[str]]:
   """Executions per program run of each computation, its unknown-trip flag, async wrappers.
 
@@ -203,8 +243,8 @@ def _counts(comps: dict[str, list[_Instr]]) -> tuple[dict[str, int], dict[str, b
       if ins.op.endswith(("-done", "-update")):
         continue  # the matching -start already names the same callee
       if ins.op == "while":
-        trip = _TRIP.search(ins.attrs)
-        n = int(trip.group(1)) if trip else 1
+        trip = trip_count(ins, comps, comp)
+        n = 1 if trip is None else trip
         for part, callee in _WHILE_PART.findall(ins.attrs):
           callers[callee].append((comp, n + (part == "condition" and trip is not None),
                                   trip is None))

@@ -223,7 +223,8 @@ class _Walk:
         compute_free = max(compute_free, comm_free) + seconds
         comm_free = compute_free
       elif op == "while":
-        trip = int(m.group(1)) if (m := overlap._TRIP.search(ins.attrs)) else 1
+        trip = hlo.trip_count(ins, self.comps, comp)
+        trip = 1 if trip is None else trip
         body = overlap._WHILE_BODY.search(ins.attrs)
         seconds, inner = self.run(body.group(1), count * trip) if body else (0.0, 0.0)
         compute_free += trip * seconds
