@@ -290,3 +290,28 @@ def test_compile_top_16_of_a_70b_on_8_nodes_takes_under_5_minutes():
   text = proc.stdout
   assert "layouts considered" in text and "compiled for h100x64 without a GPU: 16 layouts" in text
   assert "ranked by the step predicted from each program" in text
+
+
+def test_the_whole_sweep_is_scored_from_the_committed_data():
+  """benchmarks/playbook_sweep.py: the derived data holds every successful 1M-token run of the
+  four playbook models (26 (model, nodes) cells), the fit sample is 10% of the physical runs,
+  the unfitted scores reproduce the committed results, and the README shows them."""
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  import playbook_sweep as sweep
+  runs = sweep.runs()
+  assert len(runs) == 1746 and all(int(r["dp"]) * int(r["mbs"]) * int(r["ga"]) == 256
+                                   for r in runs)
+  assert len({(r["model"], r["nodes"]) for r in runs}) == 26
+  physical = [r for r in runs if not sweep.named_departure(r)]
+  chosen = sweep.fit_sample(physical)
+  assert len(chosen) == int(0.1 * len(physical)) <= 0.1 * len(runs)
+  held_out = [r for i, r in enumerate(physical) if i not in chosen]
+  committed = [json.loads(line) for line in open(sweep.RESULTS)]
+  before = next(r for r in committed if r["kind"] == "before" and r["runs"].startswith("without"))
+  fresh = sweep.score(held_out, H100)
+  assert fresh["runs_scored"] == before["runs_scored"] == len(held_out)
+  assert fresh["median_spearman"] == pytest.approx(before["median_spearman"])
+  assert fresh["cells_first_ranked_at_least_0.9"] == before["cells_first_ranked_at_least_0.9"]
+  readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+  section = readme.split(sweep.BEGIN)[1].split(sweep.END)[0]
+  assert section.strip() == sweep.render(sweep.RESULTS).strip()
