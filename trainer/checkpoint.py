@@ -120,7 +120,15 @@ class Checkpointer:
           "No space left" in str(e) else _first_line(e)
       raise CheckpointError(f"the checkpoint of step {failed} in {self.directory} failed"
                             f" ({reason}); its partial files are removed, the last committed"
-                            f" checkpoint is step {self.latest_step()}") from None
+                            f" checkpoint is step {self._last_committed(failed)}") from None
+
+  def _last_committed(self, failed: int | None) -> int | None:
+    """The newest step whose directory was committed, read from the disk: orbax's own list
+    already holds a step once its save starts, and whether the failure came before or after
+    that depends on the writer threads' timing."""
+    steps = [int(n) for n in os.listdir(self.directory)
+             if n.isdigit() and int(n) != failed]
+    return max(steps, default=None)
 
   def read_meta(self, step: int) -> dict:
     path = os.path.join(self.directory, str(step))
