@@ -89,6 +89,16 @@ _SPECS = {name: dataclasses.replace(estimate.model_spec(llama.MODELS[name]), fla
           for name in MODELS.values()}
 
 
+def refusal(run: dict) -> str:
+  """Why meshtron cannot run a sweep layout, '' when it can: nanotron ran the 3B's 28 layers
+  on 32 stages (empty stages); meshtron gives every stage a layer (uneven stages otherwise,
+  sharding/stage_split.py)."""
+  layers = _SPECS[run["model"]].num_layers
+  if int(run["pp"]) > layers:
+    return f"{run['pp']} pipeline stages for {layers} layers: every stage needs a layer"
+  return ""
+
+
 def predict(run: dict, hw: hardware.HardwareProfile) -> float:
   return hardware.step_time(_SPECS[run["model"]], layout_of(run), SEQ, PRECISION, hw,
                             hardware.NANOTRON_ORDER).tokens_per_s_per_gpu
@@ -123,7 +133,10 @@ def fit_sample(all_runs: list[dict]) -> set:
 
 
 def score(scored: list[dict], hw: hardware.HardwareProfile) -> dict:
-  """Per-cell rank correlation, first-ranked regret and the memory error on `scored`."""
+  """Per-cell rank correlation, first-ranked regret and the memory error on `scored` (less the
+  layouts meshtron refuses, counted)."""
+  refused = [r for r in scored if refusal(r)]
+  scored = [r for r in scored if not refusal(r)]
   cells = collections.defaultdict(list)
   memory_errors = []
   for r in scored:
@@ -146,7 +159,7 @@ def score(scored: list[dict], hw: hardware.HardwareProfile) -> dict:
           "min_spearman": rhos[0],
           "cells_first_ranked_at_least_0.9": sum(r["first_ranked_over_best"] >= 0.9 for r in rows),
           "cells_first_ranked_below_half": sum(r["first_ranked_over_best"] < 0.5 for r in rows),
-          "n_cells": len(rows), "runs_scored": len(scored),
+          "n_cells": len(rows), "runs_scored": len(scored), "refused": len(refused),
           "median_memory_error": memory_errors[len(memory_errors) // 2]}
 
 
@@ -180,6 +193,7 @@ def fit(sample: list[dict], hw: hardware.HardwareProfile) -> hardware.HardwarePr
   """Least squares of log(predicted / measured) over `sample`, each factor within its range
   (bounded Nelder-Mead on the factors scaled by their ranges)."""
   from scipy.optimize import minimize
+  sample = [r for r in sample if not refusal(r)]
   names = list(FITTED)
   low = [FITTED[n][0] for n in names]
   span = [FITTED[n][1] - FITTED[n][0] for n in names]

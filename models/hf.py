@@ -121,13 +121,17 @@ def _slices(index, shape) -> tuple[slice, ...]:
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def _place(tensors: _Tensors, entry: hf_mapping.Entry, leaf, sharding) -> jax.Array:
+def _place(tensors: _Tensors, entry: hf_mapping.Entry, leaf, sharding,
+           layer_of_row=None) -> jax.Array:
   """One parameter, built device slice by device slice from its HF tensor(s).
 
   Each addressable device's callback reads, for every (layer[, expert]) in its slice, only the
   HF rows and columns that slice covers (from the memmap); devices with the same slice share it.
+  `layer_of_row`: a padded layer stack's model layer per row, -1 for padding (zeros).
   """
   lead, inner = leaf.shape[:entry.stacked], leaf.shape[entry.stacked:]
+  if layer_of_row is not None:  # names of the model's layers, not of the padded rows
+    lead = (int(max(layer_of_row)) + 1, *lead[1:])
   names = dict(entry.hf_names(lead))
   cache = {}  # distinct slices only: replicated devices share one host copy
 
@@ -141,6 +145,11 @@ def _place(tensors: _Tensors, entry: hf_mapping.Entry, leaf, sharding) -> jax.Ar
       ranges = [range(s.start, s.stop) for s in index[:entry.stacked]]
       for idx in itertools.product(*ranges):
         local = tuple(i - s.start for i, s in zip(idx, index))
+        if layer_of_row is not None:
+          if layer_of_row[idx[0]] < 0:
+            out[local] = 0
+            continue
+          idx = (int(layer_of_row[idx[0]]), *idx[1:])
         out[local] = entry.layout.read(tensors.array(names[idx]), index[entry.stacked:], inner)
       cache[key] = out
     return cache[key]
@@ -148,13 +157,15 @@ def _place(tensors: _Tensors, entry: hf_mapping.Entry, leaf, sharding) -> jax.Ar
   return jax.make_array_from_callback(leaf.shape, sharding, callback)
 
 
-def load_params(model_dir: str, cfg: ModelConfig, shardings=None) -> dict:
+def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=None) -> dict:
   """Our parameters (pure dict) from a HF directory's safetensors, streamed into `shardings`.
 
   Args:
     model_dir: holds config.json and model.safetensors or model-*.safetensors + the index.
     cfg: the architecture (`read_config(model_dir)`, possibly with other dtypes).
     shardings: a pytree of jax.sharding.Sharding matching the params; None = the first device.
+    layer_of_row: the dense layer stack stored padded (uneven pipeline stages): the model layer
+      of each stored row, -1 for a padding row (zeros); None = as the model has it.
 
   Host memory: parameters are placed one at a time, each from its local devices' distinct slices,
   filled one HF tensor slice at a time from memmaps of the files (only the bytes a slice covers
@@ -176,8 +187,11 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None) -> dict:
     shardings = jax.tree.map(lambda _: device, abstract)
   params = {}
   for entry in rows:
-    _set(params, entry.path, _place(tensors, entry, _get(abstract, entry.path),
-                                    _get(shardings, entry.path)))
+    leaf, rows_map = _get(abstract, entry.path), None
+    if layer_of_row is not None and entry.path[0] == "layers":
+      leaf = jax.ShapeDtypeStruct((len(layer_of_row), *leaf.shape[1:]), leaf.dtype)
+      rows_map = layer_of_row
+    _set(params, entry.path, _place(tensors, entry, leaf, _get(shardings, entry.path), rows_map))
   return params
 
 

@@ -101,9 +101,11 @@ class Transformer(nnx.Module):
     """Token embeddings [B, L, D] on the residual stream."""
     return constrain(self.embed(tokens_BL), RESIDUAL)
 
-  def run_layers(self, x_BLD, positions_BL, segment_ids_BL) -> jax.Array:
-    """The dense layer stack over x (whatever number of stacked layers it holds)."""
-    return self._run(self.layers, x_BLD, positions_BL, segment_ids_BL)[0]
+  def run_layers(self, x_BLD, positions_BL, segment_ids_BL, present=None) -> jax.Array:
+    """The dense layer stack over x (whatever number of stacked layers it holds); `present`
+    ([layers] bool) marks the rows that hold a layer, the others pass x through unrun (the
+    padding of uneven pipeline stages)."""
+    return self._run(self.layers, x_BLD, positions_BL, segment_ids_BL, present)[0]
 
   def logits(self, hidden_BLD) -> jax.Array:
     """The output head over final-norm outputs: [B, L, V]."""
@@ -118,17 +120,18 @@ class Transformer(nnx.Module):
       return self.embed.table[...].astype(self.embed.dtype).T
     return self.head.w[...].astype(self.head.dtype)
 
-  def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
+  def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False,
+             present=None):
     """The final-norm output [B, L, D] in the compute dtype: everything but the output head;
     with return_aux, (hidden, aux) as for `__call__`.
 
-    Args: as for `__call__`.
+    Args: as for `__call__`; `present` as for `run_layers`.
     """
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     x = self.embed_tokens(tokens_BL)
     if self.layers is not None:
-      x = self.run_layers(x, positions_BL, segment_ids_BL)
+      x = self.run_layers(x, positions_BL, segment_ids_BL, present)
     aux = {}
     if self.moe_layers is not None:
       x, per_layer = self._run(self.moe_layers, x, positions_BL, segment_ids_BL)
@@ -136,13 +139,24 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     return (x, aux) if return_aux else x
 
-  def _run(self, stack, x, positions_BL, segment_ids_BL):
+  def _run(self, stack, x, positions_BL, segment_ids_BL, present=None):
     """One stack over x: (x, per-layer outputs stacked, or None for dense blocks)."""
     graphdef, stacked = nnx.split(stack)
 
-    def body(x, layer_state):
+    def block(x, layer_state):
       out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL)
       return out if isinstance(out, tuple) else (out, None)
+
+    body = block
+    if present is not None:  # padding rows: a conditional, so they run no matmuls
+      def skip(x, layer_state):
+        _, y = jax.eval_shape(block, x, layer_state)
+        return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y)
+
+      def body(x, row):
+        layer_state, here = row
+        return jax.lax.cond(here, block, skip, x, layer_state)
+      stacked = (stacked, jnp.asarray(present))
 
     policy = REMAT_POLICIES[self.config.remat]
     if policy is not None:

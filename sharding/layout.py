@@ -13,7 +13,7 @@ import math
 
 from jax.sharding import Mesh
 
-from sharding import schedules
+from sharding import schedules, stage_split
 from sharding.context import active, use_rules
 from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
@@ -42,6 +42,7 @@ class Layout:
   sequence_parallel: bool = False
   pipeline_schedule: str = "1f1b"
   virtual_stages: int = 1
+  stage_layers: str = ""  # layers per pipeline position, "7+8+...+7"; "" = automatic
   micro_batch: int = 1
   microbatches: int = 1
   remat: str = "none"
@@ -49,6 +50,18 @@ class Layout:
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in AXES}
+
+  def stage_split(self, num_layers: int) -> tuple[int, ...]:
+    """Layers per pipeline position (sharding/stage_split.py); () without pipeline stages."""
+    if self.pipeline == 1:
+      return ()
+    return stage_split.split(num_layers, self.pipeline * self.virtual_stages, self.stage_layers)
+
+  def layers_per_device(self, num_layers: int) -> int:
+    """Layer slots one pipeline stage holds and runs at most: L / pipeline when even, the padded
+    stack's share (virtual stages x the largest position) when not."""
+    counts = self.stage_split(num_layers)
+    return max(counts) * self.virtual_stages if counts else num_layers
 
   @property
   def num_devices(self) -> int:
@@ -96,6 +109,8 @@ class Layout:
                 f"sp={int(self.sequence_parallel)}", f"schedule={self.pipeline_schedule}"]
     if self.virtual_stages > 1:
       switches.append(f"vpp={self.virtual_stages}")
+    if self.stage_layers:
+      switches.append(f"stage_layers={self.stage_layers}")
     return ",".join(axes + switches)
 
   def mesh_config(self) -> MeshConfig:
@@ -104,7 +119,7 @@ class Layout:
                       sequence_parallel=self.sequence_parallel,
                       vocab_over_fsdp=self.vocab_over_fsdp,
                       pipeline_schedule=self.pipeline_schedule,
-                      virtual_stages=self.virtual_stages)
+                      virtual_stages=self.virtual_stages, stage_layers=self.stage_layers)
 
 
 _INTS = (*AXES, "zero_stage", "virtual_stages", "micro_batch", "microbatches")
@@ -128,6 +143,9 @@ def parse(text: str) -> Layout:
       if value.lower() not in ("0", "1", "true", "false"):
         raise LayoutError(f"layout {key}={value!r} must be 0 or 1")
       values[field] = value.lower() in ("1", "true")
+    elif field == "stage_layers":
+      stage_split.parse(value)
+      values[field] = value
     elif field in ("remat", "pipeline_schedule", "vocab_over_fsdp"):
       allowed = {"remat": REMATS, "pipeline_schedule": schedules.SCHEDULES,
                  "vocab_over_fsdp": ("auto", "on", "off")}[field]
@@ -136,7 +154,8 @@ def parse(text: str) -> Layout:
       values[field] = value
     else:
       raise LayoutError(f"unknown layout key {key!r}; keys: {', '.join(_INTS)}, remat,"
-                        " sequence_parallel (sp), pipeline_schedule (schedule), vocab_over_fsdp;"
+                        " sequence_parallel (sp), pipeline_schedule (schedule), vocab_over_fsdp,"
+                        " stage_layers;"
                         f" aliases {', '.join(ALIASES)}")
   layout = Layout(**values)
   check_switches(layout)
@@ -150,7 +169,11 @@ def check_switches(layout: Layout) -> None:
   if layout.sequence_parallel and layout.tensor == 1:
     raise LayoutError("sequence parallelism needs tensor > 1 (it splits the sequence over"
                       " tensor): set tensor to more than 1 or turn sequence_parallel off")
-  if layout.virtual_stages > 1 and layout.pipeline_schedule != "interleaved_1f1b":
+  if layout.pipeline_schedule in schedules.V_SHAPED and layout.virtual_stages != 2:
+    raise LayoutError(f"schedule {layout.pipeline_schedule} runs two chunks per stage (its V):"
+                      " set virtual_stages=2 (vpp=2)")
+  if layout.virtual_stages > 1 and layout.pipeline_schedule not in ("interleaved_1f1b",
+                                                                    *schedules.V_SHAPED):
     raise LayoutError(f"virtual_stages={layout.virtual_stages} needs the interleaved_1f1b"
                       " pipeline schedule")
 
@@ -170,6 +193,7 @@ def layout_of(mesh: MeshConfig, num_devices: int, model, *, batch_size: int, seq
   layout = Layout(**sizes, zero_stage=mesh.zero_stage,
                   sequence_parallel=mesh.sequence_parallel,
                   pipeline_schedule=mesh.pipeline_schedule, virtual_stages=mesh.virtual_stages,
+                  stage_layers=mesh.stage_layers,
                   micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
                   remat=model.remat, vocab_over_fsdp=mesh.vocab_over_fsdp)
   _check_model_fits(layout, model, seq_len)
@@ -179,13 +203,13 @@ def layout_of(mesh: MeshConfig, num_devices: int, model, *, batch_size: int, seq
 
 def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
   stages = layout.pipeline
+  if layout.stage_layers and stages == 1:
+    raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
+                      " but pipeline=1: set pipeline > 1 or stage_layers=''")
   if stages > 1:
-    chunks = stages * layout.virtual_stages
-    # The pipeline executor (sharding/pipeline.py) carries neither routing losses nor fp8 state.
+    # The pipeline executor (sharding/pipeline.py) does not carry routing losses yet.
     if getattr(model, "moe", None) is not None:
       raise LayoutError("pipeline parallelism does not yet support MoE layers; use pipeline=1")
-    if getattr(getattr(model, "fp8", None), "enabled", False):
-      raise LayoutError("pipeline parallelism does not yet support model.fp8; use pipeline=1")
     # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
     # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
     if layout.context > 1:
@@ -194,9 +218,7 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
     if getattr(model, "attention_impl", "xla") == "pallas_flash":
       raise LayoutError("model.attention_impl=pallas_flash does not yet run inside a pipeline"
                         " stage; use attention_impl=auto (the reference there) or pipeline=1")
-    if model.num_layers % chunks:
-      raise LayoutError(f"model.num_layers={model.num_layers} is not divisible by pipeline="
-                        f"{stages} x virtual_stages={layout.virtual_stages}")
+    layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
   if getattr(model, "collective_matmul", False) and layout.tensor > 1 \

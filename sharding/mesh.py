@@ -45,6 +45,10 @@ class MeshConfig:
   # microbatches (TrainConfig.microbatches) and the layer chunks per stage (interleaving).
   pipeline_schedule: str = "1f1b"
   virtual_stages: int = 1
+  # Layers per pipeline position (stage x virtual stage) in model order, e.g. "7+8+8+8+8+8+8+7";
+  # "" = even, or when the positions do not divide the layers one fewer on the last and first
+  # stages (sharding/stage_split.py).
+  stage_layers: str = ""
   # Multi-host: the across-hosts factor of each axis, e.g. "data=4,pipeline=2"; the rest of each
   # axis stays within a host. "" = outer axes span hosts first (data, then pipeline, ...).
   dcn: str = ""

@@ -19,8 +19,9 @@ class StageFns:
   """The model cut into pipeline pieces (pure functions of their parameters).
 
   first(shared, microbatch) -> x: the embedding (position 0 of the pipeline).
-  stage(shared, chunk, x, microbatch) -> x: one chunk of layers (`chunk` has a leading layers
-    dim; `shared` is passed so the model can be rebuilt, its gradient through `stage` is 0).
+  stage(shared, chunk, x, microbatch, present) -> x: one chunk of layers (`chunk` has a leading
+    layers dim; `shared` is passed so the model can be rebuilt, its gradient through `stage` is
+    0; `present` marks the chunk's rows that hold a layer, None when all do).
   last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss.
   """
 
@@ -40,13 +41,16 @@ def pipeline_stages() -> int:
   return 1 if ctx is None else math.prod(mesh_sizes(ctx.mesh)[a] for a in pipeline_axes())
 
 
-def _chunk_order(stages: int, virtual: int) -> jnp.ndarray:
-  """Interleaving: device s holds chunks s, s+S, s+2S, ...; storage keeps model order, so the
-  chunks are permuted into device order for the step (and the gradients back)."""
-  return jnp.asarray([c * stages + s for s in range(stages) for c in range(virtual)])
+def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
+  """Device s holds the chunks at its positions (interleaved: s, s+S, ...; the V: s and
+  2S-1-s); storage keeps model order, so the chunks are permuted into device order for the step
+  (and the gradients back)."""
+  return jnp.asarray([schedule.position(c, s) for s in range(schedule.stages)
+                      for c in range(schedule.virtual)])
 
 
-def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict):
+def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
+                   present: np.ndarray | None = None, by_max=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -55,17 +59,18 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
     layers: pytree of stacked layer weights [L, ...], L divisible by stages x virtual.
     shared: pytree of the other weights (embedding, final norm, head), replicated over stages.
     data: the microbatches, replicated over stages.
+    present: uneven stages: [stages x virtual, L / (stages x virtual)] bool, the rows of each
+      position (model order) that hold a layer (sharding/stage_split.py); None: all rows.
+    by_max: (tree like `layers`, tree like `shared`) of bools: the leaves whose "gradients" are
+      combined by max over microbatches and stages instead of summed (fp8 amax histories);
+      None: every leaf summed.
   Returns:
     (layer gradients [L, ...], shared gradients, loss_sum, stats), summed over microbatches.
   """
   axes = pipeline_axes()
   axis = axes[0]
   stages, virtual = schedule.stages, schedule.virtual
-  slots, last_position = schedule.buffer_slots(), stages * virtual - 1
-  table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
-                     jnp.asarray(schedule.chunk)], axis=-1)  # [T, S, 3]
-  order = _chunk_order(stages, virtual)
-  used = sorted({int(o) for o in np.unique(schedule.op)} | {sched.IDLE})  # operations present
+  order = _chunk_order(schedule)
 
   def to_chunks(tree, inverse=False):  # [L, ...] <-> device-ordered chunks [S*v, L/(S*v), ...]
     def one(w):
@@ -76,8 +81,7 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
 
   def per_device(layers, shared, data):
     with excluding(axes):
-      return _run(fns, table, used, slots, last_position, stages, virtual, axis, layers,
-                  shared, data)
+      return _run(fns, schedule, axis, layers, shared, data, present, by_max)
 
   specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
@@ -90,8 +94,20 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
   return to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats
 
 
-def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, shared, data):
+def _run(fns, schedule, axis, layers, shared, data, present, by_max):
   """One device's part: a scan over the ticks of the table."""
+  stages, virtual = schedule.stages, schedule.virtual
+  slots, last_position = schedule.buffer_slots(), stages * virtual - 1
+  table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
+                     jnp.asarray(schedule.chunk)], axis=-1)  # [T, S, 3]
+  used = sorted({int(o) for o in np.unique(schedule.op)} | {sched.IDLE})  # operations present
+  positions = jnp.asarray(schedule.positions())  # [virtual, stages]
+  send_table, receive_table = schedule.messages()
+  # (source, is_gradient) pairs that ever arrive: only those buffer writes are compiled.
+  arrivals = sorted({(src, int(g)) for src in range(3) for g in (0, 1)
+                     if np.any((receive_table[..., src, 0] == 1)
+                               & (receive_table[..., src, 1] == g))})
+  send_table, receive_table = jnp.asarray(send_table), jnp.asarray(receive_table)
   me = jax.lax.axis_index(axis)
   local = jax.tree.map(lambda w: w.reshape(virtual, w.shape[0] // virtual, *w.shape[1:]), layers)
   first_mb = jax.tree.map(lambda a: a[0], data)
@@ -108,10 +124,15 @@ def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, 
   carry = dict(inputs=buffer, grads=buffer, layer_acc=zeros(local), shared_acc=zeros(shared),
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape))
 
+  layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
+                                     jax.tree.map(lambda _: False, shared))
+
   def accumulate(carry, c, d_layers, d_shared, loss, stats):
     carry = dict(carry)
-    carry["layer_acc"] = jax.tree.map(lambda a, d: a.at[c].add(d), carry["layer_acc"], d_layers)
-    carry["shared_acc"] = jax.tree.map(jnp.add, carry["shared_acc"], d_shared)
+    carry["layer_acc"] = jax.tree.map(lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d),
+                                      layer_max, carry["layer_acc"], d_layers)
+    carry["shared_acc"] = jax.tree.map(lambda m, a, d: jnp.maximum(a, d) if m else a + d,
+                                       shared_max, carry["shared_acc"], d_shared)
     carry["loss"] = carry["loss"] + loss
     carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
@@ -120,9 +141,10 @@ def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, 
 
   def tick(carry, t):
     op, m, c = table[t, me, 0], table[t, me, 1], table[t, me, 2]
-    slot, position = m % slots, c * stages + me
+    slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
+    rows = None if present is None else jnp.asarray(present)[position]
     x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     no_loss = vary(jnp.zeros((), jnp.float32))
@@ -133,18 +155,19 @@ def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, 
     def vjps(wrt_params: bool, wrt_x: bool):
       """(d_chunk, d_shared, dx, loss, stats) of this microbatch's stage by recomputation."""
       def middle():
-        _, pullback = jax.vjp(lambda p, x: fns.stage(shared, p, x, mb), chunk, x)
+        _, pullback = jax.vjp(lambda p, x: fns.stage(shared, p, x, mb, rows), chunk, x)
         d_chunk, dx = pullback(g)
         return d_chunk, zeros(shared), dx, no_loss, none_stats
 
       def first():
-        _, pullback = jax.vjp(lambda s, p: fns.stage(s, p, fns.first(s, mb), mb), shared, chunk)
+        _, pullback = jax.vjp(lambda s, p: fns.stage(s, p, fns.first(s, mb), mb, rows),
+                                shared, chunk)
         d_shared, d_chunk = pullback(g)
         return d_chunk, d_shared, nothing, no_loss, none_stats
 
       def last():
         (loss, stats), pullback = jax.vjp(
-            lambda s, p, x: fns.last(s, fns.stage(s, p, x, mb), mb), shared, chunk, x)
+            lambda s, p, x: fns.last(s, fns.stage(s, p, x, mb, rows), mb), shared, chunk, x)
         d_shared, d_chunk, dx = pullback((jnp.ones_like(loss), zeros(stats)))
         return d_chunk, d_shared, dx, loss, stats
 
@@ -161,7 +184,8 @@ def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, 
     def forward(carry):
       # The last position's forward is recomputed by its backward; only store nothing here.
       x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
-      y = jax.lax.cond(where == 2, lambda: nothing, lambda: fns.stage(shared, chunk, x_in, mb))
+      y = jax.lax.cond(where == 2, lambda: nothing,
+                       lambda: fns.stage(shared, chunk, x_in, mb, rows))
       return carry, y, nothing
 
     def backward(carry, wrt_params=True, wrt_x=True, count_loss=True):
@@ -175,34 +199,26 @@ def _run(fns, table, used, slots, last_position, stages, virtual, axis, layers, 
                 sched.BACKWARD_WEIGHT: lambda carry: backward(carry, wrt_x=False,
                                                               count_loss=False)}
     # Only the operations this schedule uses are compiled (each backward holds three vjps).
-    carry, send_forward, send_backward = jax.lax.switch(
-        branch_of[op], [branches[o] for o in used], carry)
+    carry, y, dx = jax.lax.switch(branch_of[op], [branches[o] for o in used], carry)
+    message, way = jnp.where(op == sched.FORWARD, y, dx), send_table[t, me]
     ring = [(i, (i + 1) % stages) for i in range(stages)]
-    got_forward = jax.lax.ppermute(send_forward, axis, ring)
-    got_backward = jax.lax.ppermute(send_backward, axis, [(j, i) for i, j in ring])
+    got = (jax.lax.ppermute(jnp.where(way == sched.RIGHT, message, nothing), axis, ring),
+           jax.lax.ppermute(jnp.where(way == sched.LEFT, message, nothing), axis,
+                            [(j, i) for i, j in ring]),
+           message)  # the V's turn: to this stage's other chunk
     carry = dict(carry)
-    carry["inputs"] = _receive(carry["inputs"], got_forward, table[t], me, stages, slots,
-                               last_position, forward=True)
-    carry["grads"] = _receive(carry["grads"], got_backward, table[t], me, stages, slots,
-                              last_position, forward=False)
+    for src, gradient in arrivals:
+      here, _, chunk_to, slot_to = (receive_table[t, me, src, k] for k in range(4))
+      key = "grads" if gradient else "inputs"
+      sent = (here == 1) & (receive_table[t, me, src, 1] == gradient)
+      carry[key] = jax.lax.cond(sent, lambda b, msg=got[src], c=chunk_to, s=slot_to:
+                                b.at[c, s].set(msg), lambda b: b, carry[key])
     return carry, None
 
   carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.shape[0]))
   layer_grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["layer_acc"])
   psum = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axis), tree)
-  return layer_grads, psum(carry["shared_acc"]), psum(carry["loss"]), psum(carry["stats"])
+  shared_grads = jax.tree.map(lambda m, a: jax.lax.pmax(a, axis) if m else jax.lax.psum(a, axis),
+                              shared_max, carry["shared_acc"])
+  return layer_grads, shared_grads, psum(carry["loss"]), psum(carry["stats"])
 
-
-def _receive(buffer, message, row, me, stages, slots, last_position, forward: bool):
-  """Stores what the neighbour sent this tick, if it sent anything: a forward output from the
-  previous stage becomes an input here; an input gradient from the next stage, a gradient."""
-  peer = (me - 1) % stages if forward else (me + 1) % stages
-  op, m, c = row[peer, 0], row[peer, 1], row[peer, 2]
-  position = c * stages + peer
-  if forward:
-    sent = (op == sched.FORWARD) & (position != last_position)
-    chunk = jnp.where(me == 0, c + 1, c)  # wrapping around the ring: the next virtual chunk
-  else:
-    sent = ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT)) & (position != 0)
-    chunk = jnp.where(me == stages - 1, c - 1, c)
-  return jax.lax.cond(sent, lambda: buffer.at[chunk, m % slots].set(message), lambda: buffer)

@@ -1,4 +1,5 @@
-"""Pipeline schedules as static tick tables: AFAB (GPipe), 1F1B, interleaved 1F1B, zero-bubble.
+"""Pipeline schedules as static tick tables: AFAB (GPipe), 1F1B, interleaved 1F1B, zero-bubble
+(ZB-H1) and the V-shaped zero-bubble schedule (ZB-V).
 
 A table says, for every tick and stage (device), which operation runs on which microbatch and
 virtual chunk. The executor (sharding/pipeline.py) runs it; the bubble fraction and the peak
@@ -10,10 +11,16 @@ import functools
 
 import numpy as np
 
-SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# Two chunks per stage folded into a V: chunk 0 runs down the stages, chunk 1 back up, so the
+# first stage holds the model's first and last positions (embedding and head on one device).
+V_SHAPED = ("zbv",)
 IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = range(5)
 NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "b", BACKWARD_WEIGHT: "w"}
 _RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the last use of a saved stage input
+# Where a tick's message goes: to the next stage (s + 1, round the ring), the previous one, or
+# this stage itself (the V's turn); and the sources a stage receives from, in that order.
+NOWHERE, RIGHT, LEFT, HERE = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +39,14 @@ class Schedule:
   def ticks(self) -> int:
     return self.op.shape[0]
 
+  def position(self, chunk: int, stage: int) -> int:
+    return position(self.kind, self.stages, chunk, stage)
+
+  def positions(self) -> np.ndarray:
+    """[virtual, stages]: the model position (0 = first) of each stage's chunks."""
+    return np.asarray([[self.position(c, s) for s in range(self.stages)]
+                       for c in range(self.virtual)])
+
   def bubble_fraction(self) -> float:
     """Idle stage-ticks over all stage-ticks (every operation takes one tick)."""
     return float(np.mean(self.op == IDLE))
@@ -49,17 +64,48 @@ class Schedule:
     return peaks
 
   def buffer_slots(self) -> int:
-    """Slots per chunk for saved inputs: the most in-flight microbatches of one chunk."""
+    """Slots per chunk for saved inputs: the most microbatches one chunk holds at a time, each
+    from the tick its input arrives (the previous position's forward ended; its own forward at
+    position 0) until its last use (the backward, or the weight pass)."""
+    arrive, release = {}, {}
+    for t in range(self.ticks):
+      for s in range(self.stages):
+        op, m, c = int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s])
+        q = self.position(c, s)
+        if op == FORWARD:
+          arrive.setdefault((m, q), t)  # position 0: from its own forward
+          arrive[(m, q + 1)] = min(arrive.get((m, q + 1), t + 1), t + 1)
+        if op in _RELEASES:
+          release[(m, q)] = t
     most = 1
-    for s in range(self.stages):
-      for c in range(self.virtual):
-        live = 0
-        for t in range(self.ticks):
-          here = self.chunk[t, s] == c
-          live += int(here and self.op[t, s] == FORWARD)
-          most = max(most, live)
-          live -= int(here and self.op[t, s] in _RELEASES)
+    for q in range(self.stages * self.virtual):
+      spans = [(arrive[(m, q)], release[(m, q)]) for m in range(self.microbatches)]
+      for t in range(self.ticks):
+        most = max(most, sum(a <= t <= r for a, r in spans))
     return most
+
+  def messages(self) -> tuple[np.ndarray, np.ndarray]:
+    """(send [ticks, stages]: NOWHERE/RIGHT/LEFT/HERE, receive [ticks, stages, 3, 4]): what each
+    tick's operation sends (a forward its output to the next position, a backward its input
+    gradient to the previous one) and, per receiving stage and source (from the left, from the
+    right, from itself), (1, is_gradient, chunk, buffer slot) of what arrives, else zeros."""
+    p, last, slots = self.stages, self.stages * self.virtual - 1, self.buffer_slots()
+    holder = {self.position(c, s): (s, c) for s in range(p) for c in range(self.virtual)}
+    send = np.zeros((self.ticks, p), np.int32)
+    receive = np.zeros((self.ticks, p, 3, 4), np.int32)
+    for t in range(self.ticks):
+      for s in range(p):
+        op, m, c = int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s])
+        q = self.position(c, s)
+        gradient = op in (BACKWARD, BACKWARD_INPUT)
+        if not (op == FORWARD and q < last or gradient and q > 0):
+          continue
+        dest, dest_chunk = holder[q - 1 if gradient else q + 1]
+        down = (not gradient) if self.kind not in V_SHAPED else (c == 0) != gradient
+        way = HERE if dest == s else RIGHT if down else LEFT
+        send[t, s] = way
+        receive[t, dest, {RIGHT: 0, LEFT: 1, HERE: 2}[way]] = (1, gradient, dest_chunk, m % slots)
+    return send, receive
 
   def render(self) -> str:
     """One row per stage, e.g. `F0 F1 B0 F2 B1 ...` (chunk as a suffix when interleaved)."""
@@ -107,27 +153,38 @@ def _programs(kind: str, stages: int, microbatches: int, virtual: int) -> list[l
   return programs
 
 
-def _ready(op, m, c, s, done, stages, virtual, tick) -> bool:
-  """Dependencies, with one tick of transfer between stages."""
-  position = c * stages + s  # the virtual stage's place in the whole model
+def position(kind: str, stages: int, chunk: int, stage: int) -> int:
+  """A stage's chunk's place in the whole model: round the ring (chunk x stages + stage) for the
+  interleaved schedules, down and back up for the V-shaped ones."""
+  if kind in V_SHAPED:
+    return stage if chunk == 0 else 2 * stages - 1 - stage
+  return chunk * stages + stage
+
+
+def _ready(op, m, c, s, done, stages, virtual, tick, kind="1f1b") -> bool:
+  """Dependencies, with one tick of transfer between stages (and at the V's turn)."""
+  here = position(kind, stages, c, s)  # this chunk's place in the whole model
   last = stages * virtual - 1
   def finished(what, pos):
     return done.get((what, m, pos), tick) < tick
   if op == FORWARD:
-    return position == 0 or finished(FORWARD, position - 1)
+    return here == 0 or finished(FORWARD, here - 1)
   if op in (BACKWARD, BACKWARD_INPUT):
     previous = BACKWARD
-    upstream = position == last or finished(previous, position + 1) or finished(
-        BACKWARD_INPUT, position + 1)
-    return finished(FORWARD, position) and upstream
-  return finished(BACKWARD_INPUT, position)  # BACKWARD_WEIGHT
+    upstream = here == last or finished(previous, here + 1) or finished(
+        BACKWARD_INPUT, here + 1)
+    return finished(FORWARD, here) and upstream
+  return finished(BACKWARD_INPUT, here)  # BACKWARD_WEIGHT
 
 
 def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
   """Simulates each stage's program tick by tick (an operation starts once its inputs arrived)."""
   if kind not in SCHEDULES:
     raise ValueError(f"pipeline schedule {kind!r} is not one of {', '.join(SCHEDULES)}")
-  if kind != "interleaved_1f1b" and virtual != 1:
+  if kind in V_SHAPED and virtual != 2:
+    raise ValueError(f"schedule {kind} runs two chunks per stage (its V): set virtual stages to 2,"
+                     f" not {virtual}")
+  if kind not in ("interleaved_1f1b", *V_SHAPED) and virtual != 1:
     raise ValueError(f"virtual stages (interleaving) need schedule=interleaved_1f1b, not {kind}")
   if kind in ("1f1b", "zero_bubble") and microbatches < stages:
     raise ValueError(f"schedule {kind} needs at least as many microbatches as stages: got"
@@ -136,6 +193,16 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
     raise ValueError(f"interleaved_1f1b needs virtual >= 2 and microbatches a multiple of the"
                      f" stages: got virtual={virtual}, {microbatches} microbatches, {stages}"
                      " stages")
+  rows = (_zbv_rows(stages, microbatches) if kind in V_SHAPED
+          else _program_rows(kind, stages, microbatches, virtual))
+  table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3]
+  return Schedule(kind, stages, microbatches, virtual, table[..., 0], table[..., 1],
+                  table[..., 2])
+
+
+def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> list:
+  """Runs each stage's fixed program (`_programs`), an operation once its inputs arrived; ZB-H1
+  moves the deferred weight passes."""
   programs = _programs(kind, stages, microbatches, virtual)
   weights = [[] for _ in range(stages)]  # zero-bubble: deferred weight-gradient passes
   done: dict = {}
@@ -152,7 +219,7 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
       over = nxt is not None and nxt[0] == FORWARD and live[s] >= stages - s
       if weights[s] and over:
         step = weights[s].pop(0)
-      elif nxt is not None and _ready(*nxt, s, done, stages, virtual, tick):
+      elif nxt is not None and _ready(*nxt, s, done, stages, virtual, tick, kind):
         step = programs[s].pop(0)
         if step[0] == BACKWARD_INPUT:
           weights[s].append((BACKWARD_WEIGHT, step[1], step[2]))
@@ -163,14 +230,59 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
       row.append(step or (IDLE, 0, 0))
     for s, (op, m, c) in enumerate(row):
       if op != IDLE:
-        done[(op, m, c * stages + s)] = tick
+        done[(op, m, position(kind, stages, c, s))] = tick
     rows.append(row)
     tick += 1
     if tick > 10 * (microbatches * virtual + stages) * 3:
       raise RuntimeError(f"schedule {kind} deadlocked")  # a bug in a program, never user input
-  table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3]
-  return Schedule(kind, stages, microbatches, virtual, table[..., 0], table[..., 1],
-                  table[..., 2])
+  return rows
+
+
+def _zbv_rows(stages: int, microbatches: int) -> list:
+  """ZB-V (Qi et al. 2024, arXiv:2401.10241, sec. 6): two chunks per stage in a V, the backward
+  split into an input pass (b) and a weight pass (w). Each tick a stage runs, by preference, a
+  ready b (the earlier microbatch; chunk 1, the later position, on ties), a ready forward
+  (chunk 1 first) while its saved inputs stay within 1F1B's peak (p whole-stage microbatches =
+  2p half-stage chunks), a deferred w, else nothing: the w passes fill the bubbles."""
+  p, last, limit = stages, 2 * stages - 1, 2 * stages
+  where = lambda c, s: position("zbv", p, c, s)  # noqa: E731
+  next_f = [[0, 0] for _ in range(p)]
+  next_b = [[0, 0] for _ in range(p)]
+  weights = [[] for _ in range(p)]
+  live, done, rows, tick = [0] * p, {}, [], 0
+  finished = lambda what, m, q: done.get((what, m, q), tick) < tick  # noqa: E731
+  while any(n < microbatches for per in next_b for n in per) or any(weights):
+    row = []
+    for s in range(p):
+      step = None
+      ready_b = [(m, -c) for c in (0, 1) if (m := next_b[s][c]) < microbatches
+                 and finished(FORWARD, m, where(c, s))
+                 and (where(c, s) == last or finished(BACKWARD_INPUT, m, where(c, s) + 1))]
+      if ready_b:
+        m, c = min(ready_b)[0], -min(ready_b)[1]
+        step = (BACKWARD_INPUT, m, c)
+        next_b[s][c] += 1
+        weights[s].append((BACKWARD_WEIGHT, m, c))
+      elif live[s] < limit:
+        for c in (1, 0):
+          m = next_f[s][c]
+          if m < microbatches and (where(c, s) == 0 or finished(FORWARD, m, where(c, s) - 1)):
+            step = (FORWARD, m, c)
+            next_f[s][c] += 1
+            break
+      if step is None and weights[s]:
+        step = weights[s].pop(0)
+      if step is not None:
+        live[s] += (step[0] == FORWARD) - (step[0] in _RELEASES)
+      row.append(step or (IDLE, 0, 0))
+    for s, (op, m, c) in enumerate(row):
+      if op != IDLE:
+        done[(op, m, where(c, s))] = tick
+    rows.append(row)
+    tick += 1
+    if tick > 30 * (2 * microbatches + stages):
+      raise RuntimeError("schedule zbv deadlocked")  # a bug here, never user input
+  return rows
 
 
 @functools.lru_cache(maxsize=512)
@@ -187,13 +299,15 @@ def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: i
   """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
   peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et
   al. 2021, arXiv:2104.04473) — closed forms that the tick tables reproduce exactly
-  (tests/test_estimate.py) — and zero-bubble (ZB-H1) read off its table (1F1B's by design)."""
+  (tests/test_estimate.py) — and the zero-bubble schedules read off their tables (ZB-H1 and
+  ZB-V keep 1F1B's p; ZB-V's chunks are half stages)."""
   p, m = stages, microbatches
   if p == 1:
     return 1
-  table = table_if_valid(kind, p, m, virtual) if kind == "zero_bubble" else None
+  tabled = kind in ("zero_bubble", *V_SHAPED)
+  table = table_if_valid(kind, p, m, virtual) if tabled else None
   if table is not None:
-    return float(table.in_flight().max())
+    return float(table.in_flight().max()) / table.virtual
   if kind == "afab":
     return m
   if kind == "interleaved_1f1b":
@@ -205,10 +319,12 @@ def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: i
 def bubble_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
   """Idle over busy time of a pipeline stage, with equal-length ticks: (p-1)/m for AFAB and 1F1B,
   (p-1)/(v m) interleaved (closed forms equal to the tick tables), and for zero-bubble its table
-  (the deferred weight passes fill most of the bubble; a third of 1F1B's if no table)."""
+  (the deferred weight passes fill most of the bubble; a third of 1F1B's if no table), and ZB-V
+  its table."""
   if stages == 1:
     return 0.0
-  table = table_if_valid(kind, stages, microbatches, virtual) if kind == "zero_bubble" else None
+  tabled = kind in ("zero_bubble", *V_SHAPED)
+  table = table_if_valid(kind, stages, microbatches, virtual) if tabled else None
   if table is not None:
     idle = table.bubble_fraction()
     return idle / (1 - idle)

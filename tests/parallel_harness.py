@@ -10,7 +10,7 @@ from models import ModelConfig
 from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
 from trainer.trainer import Trainer
-from trainer.state import make_init_fn, state_shardings
+from trainer.state import make_init_fn, state_shardings, unstored
 from trainer.step import make_grads_fn
 
 # Every dim divides every mesh size up to 8: heads 16 / kv heads 8 (GQA), embed 32, mlp 64,
@@ -68,7 +68,10 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
   cfg = config(mesh_cfg, **kw)
   trainer = Trainer(cfg, devices)
   trainer.init_state()
-  grads_fn = make_grads_fn(trainer.graphdef, trainer.names, cfg.step())
+  grads_fn = make_grads_fn(trainer.graphdef, trainer.names, trainer.step_config)
+  # Uneven pipeline stages store the layer stack padded: compare the model's own rows.
+  leaves = lambda params: [np.asarray(p) for p in
+                           jax.tree.leaves(unstored(params, trainer.stage_layers))]
   with trainer.context():
     # One compile for the step and the gradients it applies (XLA shares the computation).
     step_and_grads = jax.jit(lambda state, batch: (*trainer.step_fn(state, batch),
@@ -76,12 +79,12 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
                              in_shardings=(trainer.shardings, trainer.batch_sharding),
                              out_shardings=(trainer.shardings, sharding.replicated(), None))
     state, losses, grads = trainer.state, [], None
-    initial = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    initial = leaves(state.params)
     for batch in batches():
       state, metrics, step_grads = step_and_grads(state, trainer.to_device(batch))
-      grads = grads or [np.asarray(g) for g in jax.tree.leaves(step_grads)]
+      grads = grads or leaves(step_grads)
       losses.append(float(metrics["loss"]))
-  return Result(losses, grads, initial, [np.asarray(p) for p in jax.tree.leaves(state.params)])
+  return Result(losses, grads, initial, leaves(state.params))
 
 
 def compile_step(mesh_cfg: sharding.MeshConfig, **kw):

@@ -28,7 +28,7 @@ def references():
 
 
 def case(stages, schedule, extra=None, layers=4, virtual=None):
-  virtual = virtual or (2 if schedule == "interleaved_1f1b" else 1)
+  virtual = virtual or (2 if schedule in ("interleaved_1f1b", *schedules.V_SHAPED) else 1)
   mesh = {"data": 8 // stages, **(extra or {})}
   return pytest.param(stages, schedule, virtual, mesh, layers,
                       id=f"pipeline={stages},{schedule}" + "".join(
@@ -39,6 +39,7 @@ FAST = [case(2, kind) for kind in schedules.SCHEDULES] + [
     case(4, "1f1b"), case(8, "1f1b", layers=8),
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
     case(4, "interleaved_1f1b", {"data": 2}, layers=8),
+    case(4, "zbv", {"data": 2}, layers=8),
 ]
 SLOW = [case(p, kind, layers={4: 8, 8: 16}[p])
         for p in (4, 8) for kind in schedules.SCHEDULES if (p, kind) != (4, "1f1b")
@@ -95,7 +96,8 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
 
 
 @pytest.mark.parametrize("mesh,layers,microbatches,message", [
-    (dict(pipeline=4, data=2), 6, 8, "num_layers=6 is not divisible by pipeline=4"),
+    (dict(pipeline=8), 6, 8, "8 pipeline stages .x virtual stages. for 6 layers"),
+    (dict(pipeline=2, data=4, stage_layers="2+3"), 6, 8, "gives 2 stages with 5 layers"),
     (dict(pipeline=4, data=2), 4, 2, "at least as many microbatches as stages"),
     (dict(pipeline=2, data=4, pipeline_schedule="interleaved_1f1b", virtual_stages=2), 4, 3,
      "microbatches a multiple of the stages"),

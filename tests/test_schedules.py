@@ -20,17 +20,19 @@ def ops_of(schedule, stage):
 @pytest.mark.parametrize("kind", S.SCHEDULES)
 @pytest.mark.parametrize("stages,microbatches", CASES)
 def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches):
-  virtual = 2 if kind == "interleaved_1f1b" else 1
+  virtual = 2 if kind in ("interleaved_1f1b", *S.V_SHAPED) else 1
   schedule = S.make(kind, stages, microbatches, virtual)
   when = {}
   for t, s in itertools.product(range(schedule.ticks), range(stages)):
     op = schedule.op[t, s]
     if op != S.IDLE:
-      key = (int(op), int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]) * stages + s)
+      key = (int(op), int(schedule.microbatch[t, s]),
+             schedule.position(int(schedule.chunk[t, s]), s))
       assert key not in when, f"{key} runs twice"
       when[key] = t
   positions = stages * virtual
-  backward = S.BACKWARD_INPUT if kind == "zero_bubble" else S.BACKWARD
+  split_backward = kind in ("zero_bubble", *S.V_SHAPED)
+  backward = S.BACKWARD_INPUT if split_backward else S.BACKWARD
   for m in range(microbatches):
     for p in range(positions):
       assert (S.FORWARD, m, p) in when and (backward, m, p) in when
@@ -39,7 +41,7 @@ def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches
       if p < positions - 1:  # backward after the next stage's backward
         assert when[(backward, m, p)] > when[(backward, m, p + 1)]
       assert when[(backward, m, p)] > when[(S.FORWARD, m, p)]
-      if kind == "zero_bubble":
+      if split_backward:
         assert when[(S.BACKWARD_WEIGHT, m, p)] > when[(S.BACKWARD_INPUT, m, p)]
 
 
@@ -62,6 +64,28 @@ def test_bubbles_and_in_flight_microbatches(stages, microbatches):
   assert list(one_f_one_b.in_flight()) == [min(m, p - s) for s in range(p)]
 
 
+@pytest.mark.parametrize("stages,microbatches", CASES)
+def test_zbv_folds_the_model_into_a_v_and_nearly_closes_the_bubble(stages, microbatches):
+  """ZB-V: stage s holds positions s and 2p-1-s (the first stage the first and the last); the
+  turn at the last stage is a local hand-off, every other message goes to a neighbour. Its bubble
+  is below ZB-H1's and 1F1B's, its saved inputs within 1F1B's peak (2p half-stage chunks = p
+  whole-stage microbatches), and it needs no more microbatches than stages."""
+  p, m = stages, microbatches
+  zbv = S.make("zbv", p, m, 2)
+  assert zbv.positions().tolist() == [list(range(p)), list(range(2 * p - 1, p - 1, -1))]
+  send, _ = zbv.messages()
+  local = {(int(zbv.op[t, s]), int(zbv.chunk[t, s]), s)
+           for t, s in zip(*np.nonzero(send == S.HERE))}
+  assert local == {(S.FORWARD, 0, p - 1), (S.BACKWARD_INPUT, 1, p - 1)}
+  assert np.sum(send == S.HERE) == 2 * m
+  zero, one_f_one_b = S.make("zero_bubble", p, m), S.make("1f1b", p, m)
+  assert zbv.bubble_fraction() < zero.bubble_fraction() < one_f_one_b.bubble_fraction()
+  assert zbv.in_flight().max() <= 2 * p
+  assert S.in_flight_microbatches("zbv", p, m, 2) <= S.in_flight_microbatches("1f1b", p, m)
+  assert S.bubble_ratio("zbv", p, m, 2) < S.bubble_ratio("zero_bubble", p, m)
+  S.make("zbv", p, p // 2 or 1, 2)  # fewer microbatches than stages: still a valid table
+
+
 def test_rendering_reads_like_the_playbook():
   text = S.make("1f1b", 4, 8).render().splitlines()
   assert text[0].split()[:5] == ["F0", "F1", "F2", "F3", "."]
@@ -74,6 +98,7 @@ def test_rendering_reads_like_the_playbook():
     (("interleaved_1f1b", 4, 6, 2), "microbatches a multiple of the stages"),
     (("interleaved_1f1b", 4, 8, 1), "virtual >= 2"),
     (("afab", 4, 8, 2), "need schedule=interleaved_1f1b"),
+    (("zbv", 4, 8, 1), "two chunks per stage"),
     (("gpipe", 4, 8), "is not one of"),
 ])
 def test_invalid_schedules_are_clear_errors(args, message):

@@ -12,6 +12,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from sharding import stage_split
 
 from trainer.config import CheckpointConfig
 
@@ -139,9 +140,13 @@ class Checkpointer:
                             " resume from an earlier one") from None
 
   def restore(self, step: int, target_state, iterator, model_config: dict,
-              shared_data_state: bool = True):
+              shared_data_state: bool = True, stage_layers: tuple[int, ...] = ()):
     """Restores `step` into the shardings of `target_state` (ShapeDtypeStructs with shardings:
     any layout or device count) and the iterator's position. Returns (state, meta, data_ok).
+
+    `stage_layers`: the target's uneven pipeline split (its layer stack stored padded); a
+    checkpoint written with another split (meta "stage_layers") is read with its stack's rows
+    whole over the pipeline axis and restacked into the target's.
 
     With `shared_data_state` (every process iterates the same global stream) any process count
     resumes exactly from process 0's iterator state; otherwise data_ok is False when the
@@ -154,12 +159,19 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(mismatched)};"
                             " use another --workdir or the checkpoint's model config")
+    written = tuple(meta.get("stage_layers", ()))
+    target = target_state
+    if written != tuple(stage_layers):
+      target = stage_split.stored_like(target_state, written, stage_layers)
     try:
       state = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target_state))).state
+          state=ocp.args.StandardRestore(target))).state
     except Exception as e:
       raise CheckpointError(f"checkpoint {path} could not be restored ({_first_line(e)}); it is"
                             " left untouched: move it away to resume from an earlier one") from None
+    if written != tuple(stage_layers):
+      state = jax.jit(lambda s: stage_split.restack(s, written, stage_layers),
+                      out_shardings=jax.tree.map(lambda a: a.sharding, target_state))(state)
     same_count = meta.get("process_count") == jax.process_count()
     try:
       if same_count:
@@ -194,3 +206,4 @@ def _first_line(error: Exception) -> str:
   line = re.split(r"\s*See full TensorStore details", line)[0]
   line = re.sub(r"<[^<>]*(?: at 0x[0-9a-f]+|pybind11)[^<>]*>?", "", line).rstrip(" :({")
   return f"{type(error).__name__}: {line[:300]}"
+

@@ -42,6 +42,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
                 f" microbatches={cfg.microbatches},"
                 f" remat={cfg.model.remat}",
       "tokens per step": tokens,
+      **_stages(trainer.layout.layout, cfg.model.num_layers),
       "xla options": f"preset {cfg.xla_preset}"
                      f" ({presets.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
                      + (f" + {cfg.xla_options}" if cfg.xla_options else ""),
@@ -59,6 +60,19 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
     with open(hlo_path, "w") as f:
       f.write(text)
   return rep
+
+
+def _stages(layout, num_layers: int) -> dict:
+  """The pipeline split, for the report: layers per stage and the rows each stage stores."""
+  split = layout.stage_split(num_layers)
+  if not split:
+    return {}
+  rows = layout.layers_per_device(num_layers)
+  padding = layout.pipeline * rows - num_layers
+  return {"pipeline stages": f"{layout.pipeline} x {layout.virtual_stages} virtual, layers"
+                             f" {'+'.join(map(str, split))}; each stage stores and runs at most"
+                             f" {rows} layers ({padding} padding rows in all, skipped); the"
+                             " memory below is every stage's (one SPMD program, padded alike)"}
 
 
 def compile_for_gpus(cfg: TrainConfig, gpu: compiled_report.GpuTarget, hlo_path: str = "",
@@ -115,3 +129,4 @@ def compile_report(cfg: TrainConfig, target: str, hlo_path: str = ""):
 
 if __name__ == "__main__":
   _worker(sys.argv[1], sys.argv[2])
+

@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 import sharding
+from sharding import stage_split
 from models import abstract_model, hf, param_names
 from models.config import ModelConfig
 from trainer.checkpoint import ITEMS, CheckpointError
@@ -56,7 +57,8 @@ def init_state_from_hf(trainer) -> TrainState:
   cfg = trainer.cfg
   model_dir = cfg.init_from[len(PREFIX):]
   with trainer.context():
-    params = hf.load_params(model_dir, cfg.model, trainer.shardings.params)
+    rows = stage_split.layer_of_row(trainer.stage_layers) if trainer.stage_layers else None
+    params = hf.load_params(model_dir, cfg.model, trainer.shardings.params, rows)
     state = jax.jit(lambda p: fresh_state(p, trainer.tx, cfg.seed),
                     out_shardings=trainer.shardings, donate_argnums=0)(params)
   logging.info("initialized the parameters from %s", model_dir)
@@ -96,11 +98,14 @@ def from_hf(model_dir: str, out: str) -> None:
   print(f"wrote {out}: {model.num_params() / 1e6:.2f}M parameters from {model_dir}")
 
 
-def _restore_params(path: str, model: ModelConfig, partial: bool):
-  """Restores only the parameters (never the optimizer state) into the local FSDP layout."""
+def _restore_params(path: str, model: ModelConfig, partial: bool, written=()):
+  """Restores only the parameters (never the optimizer state) into the local FSDP layout; a
+  layer stack `written` padded for uneven pipeline stages comes back as the model's."""
   abstract, shardings = _local_layout(model)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
+  if written:
+    target = stage_split.stored_like(target, written, ())
   if partial:  # a train state: take its `params` subtree
     target = {"params": target}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
@@ -111,7 +116,8 @@ def _restore_params(path: str, model: ModelConfig, partial: bool):
   except Exception as e:  # orbax raises many types for unreadable or mismatched checkpoints
     raise CheckpointError(f"could not read the parameters in {path}"
                           f" ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-  return out["params"] if partial else out
+  out = out["params"] if partial else out
+  return stage_split.restack(out, written, ()) if written else out
 
 
 def _source(src: str):
@@ -138,7 +144,10 @@ def _source(src: str):
     manager.close()
   if step is None:
     raise CheckpointError(f"no committed checkpoint in {directory}")
-  params = _restore_params(os.path.join(directory, str(step), "state"), cfg.model, partial=True)
+  with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
+    written = tuple(json.load(f).get("stage_layers", ()))
+  params = _restore_params(os.path.join(directory, str(step), "state"), cfg.model, partial=True,
+                           written=written)
   base = None
   if cfg.init_from.startswith(PREFIX):  # keep the original's token ids and context length
     try:

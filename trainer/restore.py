@@ -24,7 +24,7 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
   if step is None and cfg.checkpoint.restore_from:
     source, step = other_run(cfg.checkpoint.restore_from, cfg)
   meta = {"run_id": uuid.uuid4().hex, "process_count": jax.process_count(),
-          "config": dataclasses.asdict(cfg)}
+          "config": dataclasses.asdict(cfg), "stage_layers": list(trainer.stage_layers)}
   if step is None and cfg.init_from:  # fresh optimizer state, parameters from HF weights
     trainer.state = convert.init_state_from_hf(trainer)
     return train_iter, 0, meta
@@ -34,7 +34,8 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         trainer.abstract_state, trainer.shardings)
   state, saved, data_ok = source.restore(step, target, train_iter, dataclasses.asdict(cfg.model),
-                                         not cfg.data.shard_documents_by_process)
+                                         not cfg.data.shard_documents_by_process,
+                                         trainer.stage_layers)
   if source is not ckpt:
     source.close()
   trainer.state = state

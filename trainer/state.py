@@ -8,6 +8,7 @@ import optax
 from flax import struct
 
 import sharding
+from sharding import stage_split
 from models.builder import init_params
 from models.config import ModelConfig
 
@@ -34,12 +35,29 @@ def fresh_state(params, tx: optax.GradientTransformation, seed: int) -> TrainSta
                     rng=_keys(seed)[1], loss_ema=jnp.zeros((), jnp.float32))
 
 
-def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
+def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
+                 stage_layers: tuple[int, ...] = ()):
   """A pure function () -> TrainState for jax.eval_shape and jit(out_shardings=...): random
-  parameters (trainer/convert.py starts from Hugging Face weights with `fresh_state` instead)."""
+  parameters (trainer/convert.py starts from Hugging Face weights with `fresh_state` instead),
+  the layer stack padded for uneven pipeline stages (the same draws as unpadded)."""
   def init() -> TrainState:
-    return fresh_state(init_params(model_cfg, _keys(seed)[0]), tx, seed)
+    return fresh_state(stored(init_params(model_cfg, _keys(seed)[0]), stage_layers), tx, seed)
   return init
+
+
+def stored(params, stage_layers: tuple[int, ...]):
+  """Parameters as the train state stores them: with uneven pipeline stages the layer stack
+  padded per position (sharding/stage_split.py), else as they are."""
+  if not stage_layers:
+    return params
+  return {**params, "layers": stage_split.pad(params["layers"], stage_layers)}
+
+
+def unstored(params, stage_layers: tuple[int, ...]):
+  """The model's own parameters (the padding rows dropped): for export and comparisons."""
+  if not stage_layers:
+    return params
+  return {**params, "layers": stage_split.unpad(params["layers"], stage_layers)}
 
 
 def state_shardings(abstract: TrainState, names, tx: optax.GradientTransformation) -> TrainState:

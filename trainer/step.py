@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from sharding import constrain, constrain_tree, excluding, gradient_replica_axes, zigzag
+from sharding import (constrain, constrain_tree, excluding, gradient_replica_axes, stage_split,
+                      zigzag)
 from sharding.pipeline import pipeline_stages
 from trainer import loss
 from trainer.config import StepConfig
@@ -22,10 +23,13 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 def make_loss_sums(graphdef, cfg: StepConfig):
   """loss_sums(params, batch) -> (loss_sum, stats): the model's final hidden states through the
   head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses."""
+  # Uneven pipeline stages store the layer stack padded; the padding rows are skipped.
+  present = stage_split.present(cfg.stage_layers).reshape(-1) if cfg.stage_layers else None
+
   def loss_sums(params, batch):
     model = nnx.merge(graphdef, params)
     hidden, aux = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"],
-                               return_aux=True)
+                               return_aux=True, present=present)
     loss_sum, stats = loss.head_loss_sums(model, hidden, batch, cfg)
     if aux:  # MoE layers: router losses join the loss, routing counts the stats
       loss_sum, stats = loss.add_moe_losses(loss_sum, stats, aux, batch["loss_mask"],
@@ -73,7 +77,8 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
       return jax.vmap(sharded_grad_fn, in_axes=(None, 0), spmd_axis_name=axes or None)(
           params, per_replica)
 
-  pipelined = make_pipeline_grads_fn(graphdef, cfg, split_microbatches=split_microbatches)
+  pipelined = make_pipeline_grads_fn(graphdef, cfg, split_microbatches=split_microbatches,
+                                     is_fp8=state.is_fp8)
 
   def grads_fn(params, batch):
     batch = zigzag(batch)  # load-balanced sequence order under context parallelism, else as is

@@ -9,13 +9,13 @@ import jax
 import sharding
 from kernels.attention import resolve as resolve_attention
 from models import abstract_model, param_names
-from sharding import report
+from sharding import report, stage_split
 from sharding.plan import estimate
 from sharding.xla import compiled, presets
 from trainer import data
 from trainer.config import TrainConfig, compiler_options
 from trainer.optim import make_optimizer
-from trainer.state import make_init_fn, state_shardings
+from trainer.state import make_init_fn, state_shardings, unstored
 from trainer.step import BATCH_KEYS, make_eval_step, make_train_step
 from trainer.tokenizer import make_tokenizer
 
@@ -41,14 +41,18 @@ class Trainer:
                                    rule_overrides=cfg.sharding_rules)
     self.mesh, self.rules = self.layout.mesh, self.layout.rules
     with self.context():
-      self.graphdef, abstract_params = abstract_model(cfg.model)
+      self.graphdef, _ = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
-      self.param_rows = report.param_rows(self.names, abstract_params)
+      self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
+      # Uneven pipeline stages: the layer stack is stored padded per stage (stage_split.py).
+      split = self.layout.layout.stage_split(cfg.model.num_layers)
+      self.stage_layers = split if stage_split.is_uneven(split) else ()
+      self.step_config = dataclasses.replace(cfg.step(), stage_layers=self.stage_layers)
+      self._init = make_init_fn(cfg.model, self.tx, cfg.seed, self.stage_layers)
+      self.abstract_state = jax.eval_shape(self._init)
+      self.param_rows = report.param_rows(self.names, self.abstract_state.params)
       report.check_replication(self.param_rows, cfg.max_replicated_fraction,
                                self.layout.layout.rules(cfg.model.vocab_size, cfg.seq_len))
-      self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
-      self._init = make_init_fn(cfg.model, self.tx, cfg.seed)
-      self.abstract_state = jax.eval_shape(self._init)
       self.shardings = state_shardings(self.abstract_state, self.names, self.tx)
       shape = (cfg.batch_size, cfg.seq_len)
       self.batch_sharding = {
@@ -58,11 +62,11 @@ class Trainer:
           compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
       # Bound to the layout: whoever traces them, they trace with this mesh and these rules.
       self.step_fn = self.layout.bind(make_train_step(self.graphdef, self.names, self.tx,
-                                                      self.lr, cfg.step()))
+                                                      self.lr, self.step_config))
       self.train_step = jax.jit(self.step_fn, in_shardings=(self.shardings, self.batch_sharding),
                                 out_shardings=(self.shardings, replicated), donate_argnums=0,
                                 compiler_options=options or None)
-      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, cfg.step())),
+      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, self.step_config)),
                                in_shardings=(self.shardings.params, self.batch_sharding),
                                out_shardings=replicated)
     self.state = None
@@ -125,6 +129,10 @@ class Trainer:
     """Creates the train state sharded from the start (no unsharded copy ever exists)."""
     with self.context():
       self.state = jax.jit(self._init, out_shardings=self.shardings)()
+
+  def model_params(self):
+    """The model's own parameters (the padding rows of uneven pipeline stages dropped)."""
+    return unstored(self.state.params, self.stage_layers)
 
   def abstract_batch(self) -> dict:
     return {k: jax.ShapeDtypeStruct((self.cfg.batch_size, self.cfg.seq_len),

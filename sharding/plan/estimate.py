@@ -191,11 +191,20 @@ class ParamCounts:
     return self.shardable + self.replicated
 
 
+def stage_layers(model: ModelSpec, layout: Layout) -> float:
+  """Layer rows the most loaded pipeline stage stores and runs: L / pipeline when the stages
+  divide the layers, else the padded stack's share (sharding/stage_split.py, e.g. 8 for 126
+  layers on 16 stages); all L without pipeline stages."""
+  if layout.pipeline == 1:
+    return model.num_layers
+  return layout.layers_per_device(model.num_layers)
+
+
 def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   m, lay = model, layout
   per_layer = (m.attention_params() + m.dense_mlp_params()) / lay.tensor + \
       m.expert_params() / (lay.tensor * lay.expert)
-  layers = m.num_layers / lay.pipeline
+  layers = stage_layers(m, lay)
   # One stage keeps the embedding and the last the head; tied tables live on both end stages.
   copies = 1 if m.tie_embeddings or lay.pipeline > 1 else 2
   tables = copies * m.vocab_size * m.embed_dim / lay.tensor
@@ -284,7 +293,7 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   terms = activation_terms(m, precision.act_bytes, formula)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
-  activations = per_layer * (m.num_layers / lay.pipeline) * schedules.in_flight_microbatches(
+  activations = per_layer * stage_layers(m, lay) * schedules.in_flight_microbatches(
       lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8)

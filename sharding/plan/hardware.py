@@ -8,7 +8,7 @@ import os
 from sharding import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
-from sharding.plan.estimate import Precision, memory, model_spec, param_counts
+from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 
 # nanotron (the playbook's benchmarks) nests ranks as (pp, dp, tp): data parallelism inside nodes.
 NANOTRON_ORDER = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
@@ -201,10 +201,10 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     gathered = 0.0 if split else table if by_rows else counts.tables
     local = counts.tables if split else counts.tables - table if by_rows else 0.0
     rest = (gathered + counts.replicated) * pr.param_bytes
-    ops = 2 * m.num_layers / lay.pipeline + 1  # each layer forward and backward, the tables once
+    ops = 2 * stage_layers(m, lay) + 1  # each layer forward and backward, the tables once
     out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, ga * ops,
                           n_z3))
-    ops = m.num_layers / lay.pipeline + 1
+    ops = stage_layers(m, lay) + 1
     out.append(Collective(axes, "reduce-scatter", "zero3",
                           (counts.total - local) * pr.grad_bytes / ops, ga * ops, n_z3))
     if by_rows:
@@ -224,7 +224,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
       group = act * lay.fsdp
       for kind in ("all-gather", "reduce-scatter"):
         out.append(Collective(("fsdp",), kind, "zero3", group, 2 * ga, lay.fsdp))
-  layer_passes = ga * m.num_layers / lay.pipeline
+  layer_passes = ga * stage_layers(m, lay)
   if lay.tensor > 1:
     again = 1 if lay.remat == "full" else 0
     if lay.sequence_parallel:
@@ -264,7 +264,9 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
   attention = 6 * m.num_heads * m.head_dim * seq_len
   recompute = {"none": 0.0, "selective": attention / 3,
                "full": 2 * per_layer + attention / 3}[lay.remat]
-  flops = m.num_layers * (6 * per_layer + attention + recompute) + 6 * m.vocab_size * m.embed_dim
+  # The most loaded stage sets the time: uneven stages count their padded share of layers.
+  layers = stage_layers(m, lay) * lay.pipeline
+  flops = layers * (6 * per_layer + attention + recompute) + 6 * m.vocab_size * m.embed_dim
   return tokens * flops / (lay.tensor * lay.pipeline)
 
 
@@ -296,7 +298,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   optimizer update at HBM bandwidth."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
-  passes = 3 * lay.microbatches * lay.virtual_stages * m.num_layers / lay.pipeline
+  passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
   compute = hardware_flops_per_device(m, lay, seq_len) / (peak * hw.matmul_efficiency) + \
       passes * hw.layer_overhead_s
   intra = placement(lay, hw.gpus_per_node, order)

@@ -7,7 +7,7 @@ Pure Python, like estimate.py (which is near its size cap; this extends its mode
 import dataclasses
 
 from sharding.plan.estimate import (DTYPE_BYTES, Layout, Memory, Precision, memory, model_spec,
-                               shards)
+                               shards, stage_layers)
 
 
 def muon_matrices(model) -> list[tuple[int, int, int]]:
@@ -62,7 +62,7 @@ def muon_newton_schulz(model, layout: Layout, steps: int = 5, dtype: str = "floa
   """
   m = model_spec(model)
   s = layout.tensor * shards(layout)[2]
-  layers = m.num_layers / layout.pipeline
+  layers = stage_layers(m, layout)
   flops = wire = 0.0
   for count, a, b in muon_matrices(model):
     small, large = min(a, b), max(a, b)

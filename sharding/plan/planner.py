@@ -16,9 +16,9 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
                      ("mlp dim", m.mlp_dim), ("vocab", m.vocab_size)):
     if size % lay.tensor:
       errors.append(f"{name} {size} not divisible by tensor={lay.tensor}")
-  if m.num_layers % (lay.pipeline * lay.virtual_stages):
-    errors.append(f"{m.num_layers} layers not divisible by pipeline={lay.pipeline} x"
-                  f" virtual stages {lay.virtual_stages}")
+  if m.num_layers < lay.pipeline * lay.virtual_stages:  # fewer: uneven stages, padded
+    errors.append(f"{m.num_layers} layers for pipeline={lay.pipeline} x virtual stages"
+                  f" {lay.virtual_stages}: every stage needs a layer")
   if lay.expert > 1 and (not m.moe or m.moe.num_experts % lay.expert):
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
   if m.embed_dim % (lay.fsdp * (lay.data if lay.zero_stage else 1)):
