@@ -90,7 +90,8 @@ class Layout:
   def moves_lookup_rows(self, vocab: int, seq_len: int) -> bool:
     """Whether the embedding lookup moves token rows (sharding.rules.lookup_moves_rows)."""
     return lookup_moves_rows(fsdp=self.fsdp, tensor=self.tensor, pipeline=self.pipeline,
-                             vocab=vocab, group_tokens=self.group_tokens(seq_len))
+                             vocab=vocab, group_tokens=self.group_tokens(seq_len),
+                             context=self.context)
 
   def rules(self, vocab: int, seq_len: int, overrides: str = "") -> Rules:
     """The logical -> mesh rules of this layout: the default table with `overrides` (rows like

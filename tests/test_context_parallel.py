@@ -25,10 +25,12 @@ ALLGATHER = dataclasses.replace(harness.MODEL, context_impl="allgather")
     (dict(context=4, data=2), {}),
     (dict(context=2, fsdp=2, tensor=2), {}),
     (dict(context=2, fsdp=2, data=2), dict(microbatches=2, remat="full")),
+    (dict(context=2, fsdp=2, data=2), dict(microbatches=4)),
     (dict(context=2, tensor=2, data=2, sequence_parallel=True), {}),
     (dict(context=8), dict(model=ALLGATHER)),
 ], ids=["context=8", "context=4,data=2", "context=2,fsdp=2,tensor=2",
-        "context=2,fsdp=2,data=2,ga=2,remat", "context=2,tensor=2,sp,data=2",
+        "context=2,fsdp=2,data=2,ga=2,remat", "context=2,fsdp=2,data=2,ga=4",
+        "context=2,tensor=2,sp,data=2",
         "context=8,allgather"])
 def test_context_parallel_equals_one_device(mesh, options, reference):  # noqa: F811
   """Causal attention over packed sequences (2 documents per row) with the sequence split."""

@@ -105,6 +105,9 @@ def test_lookup_moves_rows_when_the_group_has_fewer_tokens_than_the_table(
     fsdp, tensor, pipeline, tokens, expected):
   assert lookup_moves_rows(fsdp=fsdp, tensor=tensor, pipeline=pipeline, vocab=32000,
                            group_tokens=tokens) is expected
+  # Never with the sequence split (wrong rows from the partitioned lookup, see the rule).
+  assert not lookup_moves_rows(fsdp=fsdp, tensor=tensor, pipeline=pipeline, vocab=32000,
+                               group_tokens=tokens, context=2)
 
 
 def test_indivisible_dim_names_tensor_shape_and_axes():

@@ -259,3 +259,19 @@ def test_llama3_405b_on_16_stages_compiles_for_128_h100s():
   assert "at most 8 layers (0 padding rows in all" in even["extra"]["pipeline stages"]
   assert ours["memory"]["argument"] == even["memory"]["argument"]
   assert 0 < ours["memory"]["peak"]
+
+
+def test_plan_proposes_uneven_stages_where_they_beat_the_even_ones():
+  """Llama-3 405B (126 layers) on 128 H100s: of the pipelined layouts, the fastest splits its
+  126 layers unevenly (pipeline=16: 7+8x14+7); the stage counts that divide 126 (2) rank below."""
+  from sharding.plan import hardware, planner
+  model = llama_presets.MODELS["llama3_405b"]
+  result = planner.plan(model, 128, 4096, 2**20, estimate.PLAYBOOK_MIXED,
+                        hardware.PROFILES["h100"])
+  piped = [c for c in result.ranked if c.layout.pipeline > 1]
+  uneven = [c for c in piped if 126 % c.layout.pipeline]
+  even = [c for c in piped if not 126 % c.layout.pipeline]
+  assert uneven and even
+  assert piped[0] is uneven[0]
+  assert uneven[0].time.tokens_per_s_per_gpu > even[0].time.tokens_per_s_per_gpu
+  assert any(126 % c.layout.pipeline for c in result.ranked[:10])
