@@ -87,10 +87,7 @@ def gradient_replica_axes() -> tuple[tuple[str, ...], int]:
     return (), 1
   sizes = mesh_sizes(ctx.mesh)
   size = sizes["data"]
-  # Context parallelism runs collectives inside shard_map; under the replicas' vmap
-  # (spmd_axis_name) their transposes fail JAX 0.10's varying-axes check, so with the sequence
-  # split the gradients are reduced per microbatch instead (costlier, equally exact).
-  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"] or axes_of("seq"):
+  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"]:
     return (), 1
   return ("data",), size
 

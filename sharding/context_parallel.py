@@ -67,7 +67,14 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *,
   def per_device(q, k, v, positions, segment_ids):
     return kernel(q, k, v, positions, segment_ids, axis_name=axes[0] if len(axes) == 1 else axes)
 
-  mapped = jax.shard_map(per_device, mesh=current().mesh,
+  # Inside the data-parallel replicas' vmap (gradient accumulation, trainer/step.py), JAX 0.10's
+  # varying-axes check rejects the batched ring's transposes ("mul requires varying manual axes
+  # to match"). It is off there only: every input is split over every mesh axis the layout uses
+  # (batch over the data axes, sequence over context, heads over tensor), so no value is
+  # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
+  # the result equal to one device.
+  ctx = current()
+  mapped = jax.shard_map(per_device, mesh=ctx.mesh,
                          in_specs=(q_spec, kv_spec, kv_spec, token_spec, token_spec),
-                         out_specs=q_spec)
+                         out_specs=q_spec, check_vma=not ctx.excluded)
   return mapped(q, k, v, positions, segment_ids)

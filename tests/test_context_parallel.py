@@ -97,3 +97,19 @@ def test_sequence_must_split_into_two_chunks_per_device():
                     data=DataConfig(source="synthetic"), batch_size=1, seq_len=8 * 3)
   with pytest.raises(ValueError, match=r"seq_len=24 is not divisible by 2 x context"):
     Trainer(cfg)
+
+
+def test_accumulation_with_the_sequence_split_reduces_over_data_once_per_step():
+  """context=2 x data=4, 4 microbatches: each data-parallel replica accumulates its own partial
+  gradients (the context attention runs inside the replicas' vmap), so the reductions over the
+  4 data replicas run once per step, outside the microbatch loop, and move what the program
+  without accumulation moves; only the reductions over context (group of 2) run per
+  microbatch."""
+  def data_reductions(microbatches):
+    compiled = harness.compile_step(MeshConfig(data=4, context=2), microbatches=microbatches)
+    return [c for c in hlo.collectives(compiled.as_text())
+            if c.kind == "all-reduce" and c.group_size == 4]
+  once, accumulated = data_reductions(1), data_reductions(4)
+  assert accumulated and all(c.count == 1 for c in accumulated)
+  assert sum(c.bytes for c in accumulated) == pytest.approx(
+      sum(c.bytes * c.count for c in once), rel=0.001)
