@@ -101,10 +101,13 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
   table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
                      jnp.asarray(schedule.chunk)], axis=-1)  # [T, S, 3]
   used = sorted({int(o) for o in np.unique(schedule.op)} | {sched.IDLE})  # operations present
+  paired = None if schedule.paired is None else jnp.asarray(schedule.paired)  # DualPipeV's F&B
+  used_paired = [] if paired is None else sorted(
+      {int(o) for o in np.unique(schedule.paired[..., 0])} | {sched.IDLE})
   positions = jnp.asarray(schedule.positions())  # [virtual, stages]
   send_table, receive_table = schedule.messages()
   # (source, is_gradient) pairs that ever arrive: only those buffer writes are compiled.
-  arrivals = sorted({(src, int(g)) for src in range(3) for g in (0, 1)
+  arrivals = sorted({(src, int(g)) for src in range(receive_table.shape[2]) for g in (0, 1)
                      if np.any((receive_table[..., src, 0] == 1)
                                & (receive_table[..., src, 1] == g))})
   send_table, receive_table = jnp.asarray(send_table), jnp.asarray(receive_table)
@@ -137,10 +140,8 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
     carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
 
-  branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(used)].set(jnp.arange(len(used)))
-
-  def tick(carry, t):
-    op, m, c = table[t, me, 0], table[t, me, 1], table[t, me, 2]
+  def run(carry, op, m, c, ops):
+    """One operation (`op` of microbatch m, chunk c; one of `ops`): (carry, its message)."""
     slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
@@ -199,13 +200,26 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
                 sched.BACKWARD_WEIGHT: lambda carry: backward(carry, wrt_x=False,
                                                               count_loss=False)}
     # Only the operations this schedule uses are compiled (each backward holds three vjps).
-    carry, y, dx = jax.lax.switch(branch_of[op], [branches[o] for o in used], carry)
-    message, way = jnp.where(op == sched.FORWARD, y, dx), send_table[t, me]
+    branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
+    carry, y, dx = jax.lax.switch(branch_of[op], [branches[o] for o in ops], carry)
+    return carry, jnp.where(op == sched.FORWARD, y, dx)
+
+  def tick(carry, t):
+    carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], used)
+    messages = [message]
+    if paired is not None:  # the backward overlapped with this tick's forward
+      carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],
+                           used_paired)
+      messages.append(message)
+    nothing = vary(jnp.zeros(act.shape, act.dtype))
     ring = [(i, (i + 1) % stages) for i in range(stages)]
-    got = (jax.lax.ppermute(jnp.where(way == sched.RIGHT, message, nothing), axis, ring),
-           jax.lax.ppermute(jnp.where(way == sched.LEFT, message, nothing), axis,
-                            [(j, i) for i, j in ring]),
-           message)  # the V's turn: to this stage's other chunk
+    got = []
+    for k, message in enumerate(messages):
+      way = send_table[t, me, k]
+      got += [jax.lax.ppermute(jnp.where(way == sched.RIGHT, message, nothing), axis, ring),
+              jax.lax.ppermute(jnp.where(way == sched.LEFT, message, nothing), axis,
+                               [(j, i) for i, j in ring]),
+              message]  # the V's turn: to this stage's other chunk
     carry = dict(carry)
     for src, gradient in arrivals:
       here, _, chunk_to, slot_to = (receive_table[t, me, src, k] for k in range(4))

@@ -11,13 +11,13 @@ import functools
 
 import numpy as np
 
-SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 # Two chunks per stage folded into a V: chunk 0 runs down the stages, chunk 1 back up, so the
 # first stage holds the model's first and last positions (embedding and head on one device).
-V_SHAPED = ("zbv",)
+V_SHAPED = ("zbv", "dualpipev")
 IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = range(5)
 NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "b", BACKWARD_WEIGHT: "w"}
-_RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the last use of a saved stage input
+RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the last use of a saved stage input
 # Where a tick's message goes: to the next stage (s + 1, round the ring), the previous one, or
 # this stage itself (the V's turn); and the sources a stage receives from, in that order.
 NOWHERE, RIGHT, LEFT, HERE = range(4)
@@ -25,7 +25,9 @@ NOWHERE, RIGHT, LEFT, HERE = range(4)
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """op/microbatch/chunk: int arrays [ticks, stages]; virtual: chunks per stage."""
+  """op/microbatch/chunk: int arrays [ticks, stages]; virtual: chunks per stage; paired: None,
+  or [ticks, stages, 3] (op, microbatch, chunk) of a backward that runs in the same tick as the
+  forward in `op` (DualPipeV's overlapped F&B), op IDLE where there is none."""
 
   kind: str
   stages: int
@@ -34,6 +36,14 @@ class Schedule:
   op: np.ndarray
   microbatch: np.ndarray
   chunk: np.ndarray
+  paired: np.ndarray | None = None
+
+  def ops_at(self, t: int, s: int) -> list[tuple[int, int, int]]:
+    """The operations stage s runs in tick t, forward first: none, one, or an F&B pair."""
+    ops = [(int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s]))]
+    if self.paired is not None:
+      ops.append(tuple(int(x) for x in self.paired[t, s]))
+    return [o for o in ops if o[0] != IDLE]
 
   @property
   def ticks(self) -> int:
@@ -58,9 +68,10 @@ class Schedule:
     for s in range(self.stages):
       live = 0
       for t in range(self.ticks):
-        live += int(self.op[t, s] == FORWARD)
-        peaks[s] = max(peaks[s], live)
-        live -= int(self.op[t, s] in _RELEASES)
+        for op, _, _ in self.ops_at(t, s):
+          live += int(op == FORWARD)
+          peaks[s] = max(peaks[s], live)
+          live -= int(op in RELEASES)
     return peaks
 
   def buffer_slots(self) -> int:
@@ -70,13 +81,13 @@ class Schedule:
     arrive, release = {}, {}
     for t in range(self.ticks):
       for s in range(self.stages):
-        op, m, c = int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s])
-        q = self.position(c, s)
-        if op == FORWARD:
-          arrive.setdefault((m, q), t)  # position 0: from its own forward
-          arrive[(m, q + 1)] = min(arrive.get((m, q + 1), t + 1), t + 1)
-        if op in _RELEASES:
-          release[(m, q)] = t
+        for op, m, c in self.ops_at(t, s):
+          q = self.position(c, s)
+          if op == FORWARD:
+            arrive.setdefault((m, q), t)  # position 0: from its own forward
+            arrive[(m, q + 1)] = min(arrive.get((m, q + 1), t + 1), t + 1)
+          if op in RELEASES:
+            release[(m, q)] = t
     most = 1
     for q in range(self.stages * self.virtual):
       spans = [(arrive[(m, q)], release[(m, q)]) for m in range(self.microbatches)]
@@ -85,27 +96,68 @@ class Schedule:
     return most
 
   def messages(self) -> tuple[np.ndarray, np.ndarray]:
-    """(send [ticks, stages]: NOWHERE/RIGHT/LEFT/HERE, receive [ticks, stages, 3, 4]): what each
-    tick's operation sends (a forward its output to the next position, a backward its input
+    """(send [ticks, stages, k]: NOWHERE/RIGHT/LEFT/HERE, receive [ticks, stages, 3k, 4]) with
+    k = 2 for paired schedules (the forward's and the backward's message), else 1: what each
+    tick's operations send (a forward its output to the next position, a backward its input
     gradient to the previous one) and, per receiving stage and source (from the left, from the
-    right, from itself), (1, is_gradient, chunk, buffer slot) of what arrives, else zeros."""
+    right, from itself; per message), (1, is_gradient, chunk, buffer slot) of what arrives."""
     p, last, slots = self.stages, self.stages * self.virtual - 1, self.buffer_slots()
+    k = 1 if self.paired is None else 2
     holder = {self.position(c, s): (s, c) for s in range(p) for c in range(self.virtual)}
-    send = np.zeros((self.ticks, p), np.int32)
-    receive = np.zeros((self.ticks, p, 3, 4), np.int32)
+    send = np.zeros((self.ticks, p, k), np.int32)
+    receive = np.zeros((self.ticks, p, 3 * k, 4), np.int32)
     for t in range(self.ticks):
       for s in range(p):
-        op, m, c = int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s])
-        q = self.position(c, s)
-        gradient = op in (BACKWARD, BACKWARD_INPUT)
-        if not (op == FORWARD and q < last or gradient and q > 0):
-          continue
-        dest, dest_chunk = holder[q - 1 if gradient else q + 1]
-        down = (not gradient) if self.kind not in V_SHAPED else (c == 0) != gradient
-        way = HERE if dest == s else RIGHT if down else LEFT
-        send[t, s] = way
-        receive[t, dest, {RIGHT: 0, LEFT: 1, HERE: 2}[way]] = (1, gradient, dest_chunk, m % slots)
+        for index, (op, m, c) in enumerate(self.ops_at(t, s)):
+          q = self.position(c, s)
+          gradient = op in (BACKWARD, BACKWARD_INPUT)
+          if not (op == FORWARD and q < last or gradient and q > 0):
+            continue
+          dest, dest_chunk = holder[q - 1 if gradient else q + 1]
+          down = (not gradient) if self.kind not in V_SHAPED else (c == 0) != gradient
+          way = HERE if dest == s else RIGHT if down else LEFT
+          send[t, s, index] = way
+          source = 3 * index + {RIGHT: 0, LEFT: 1, HERE: 2}[way]
+          receive[t, dest, source] = (1, gradient, dest_chunk, m % slots)
     return send, receive
+
+  def idle_times(self, durations: dict) -> np.ndarray:
+    """[stages]: each stage's idle time when its operations, in table order, take `durations`
+    ({op: time, "pair": time of an overlapped F&B}) and messages take none: the step's span less
+    the stage's busy time. Unit durations give the tick table's own bubble."""
+    order = [[self.ops_at(t, s) for t in range(self.ticks) if self.ops_at(t, s)]
+             for s in range(self.stages)]
+    finish, free, busy, cursor = {}, [0.0] * self.stages, [0.0] * self.stages, [0] * self.stages
+    last = self.stages * self.virtual - 1
+
+    def ready_at(op, m, c, s):
+      q = self.position(c, s)
+      if op == FORWARD:
+        return 0.0 if q == 0 else finish.get((FORWARD, m, q - 1))
+      if op == BACKWARD_WEIGHT:
+        return 0.0
+      up = 0.0 if q == last else finish.get((BACKWARD, m, q + 1),
+                                            finish.get((BACKWARD_INPUT, m, q + 1)))
+      mine = finish.get((FORWARD, m, q))
+      return None if up is None or mine is None else max(up, mine)
+
+    moved = True
+    while moved:
+      moved = False
+      for s in range(self.stages):
+        while cursor[s] < len(order[s]):
+          ops = order[s][cursor[s]]
+          starts = [ready_at(*o, s) for o in ops]
+          if any(x is None for x in starts):
+            break
+          took = durations["pair"] if len(ops) == 2 else durations[ops[0][0]]
+          free[s] = max([free[s], *starts]) + took
+          busy[s] += took
+          for op, m, c in ops:
+            finish[(op, m, self.position(c, s))] = free[s]
+          cursor[s] += 1
+          moved = True
+    return max(free) - np.asarray(busy)
 
   def render(self) -> str:
     """One row per stage, e.g. `F0 F1 B0 F2 B1 ...` (chunk as a suffix when interleaved)."""
@@ -113,12 +165,11 @@ class Schedule:
     for s in range(self.stages):
       cells = []
       for t in range(self.ticks):
-        op = self.op[t, s]
-        tag = "" if op == IDLE else str(self.microbatch[t, s])
-        if op != IDLE and self.virtual > 1:
-          tag += f".{self.chunk[t, s]}"
-        cells.append(f"{NAMES[op]}{tag}")
-      rows.append(" ".join(f"{c:<5}" for c in cells).rstrip())
+        ops = self.ops_at(t, s)
+        suffix = lambda c: f".{c}" if self.virtual > 1 else ""  # noqa: E731
+        cells.append("&".join(f"{NAMES[o]}{m}{suffix(c)}" for o, m, c in ops) or NAMES[IDLE])
+      width = 11 if self.paired is not None else 5
+      rows.append(" ".join(f"{c:<{width}}" for c in cells).rstrip())
     return "\n".join(rows)
 
 
@@ -186,6 +237,9 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
                      f" not {virtual}")
   if kind not in ("interleaved_1f1b", *V_SHAPED) and virtual != 1:
     raise ValueError(f"virtual stages (interleaving) need schedule=interleaved_1f1b, not {kind}")
+  if kind == "dualpipev" and microbatches < 2 * stages:
+    raise ValueError(f"schedule dualpipev needs at least twice as many microbatches as stages:"
+                     f" got {microbatches} microbatches for {stages} stages")
   if kind in ("1f1b", "zero_bubble") and microbatches < stages:
     raise ValueError(f"schedule {kind} needs at least as many microbatches as stages: got"
                      f" {microbatches} microbatches for {stages} stages")
@@ -193,11 +247,16 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
     raise ValueError(f"interleaved_1f1b needs virtual >= 2 and microbatches a multiple of the"
                      f" stages: got virtual={virtual}, {microbatches} microbatches, {stages}"
                      " stages")
-  rows = (_zbv_rows(stages, microbatches) if kind in V_SHAPED
-          else _program_rows(kind, stages, microbatches, virtual))
-  table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3]
+  if kind in V_SHAPED:
+    from sharding import v_schedules  # imported here: it builds on this module's op codes
+    rows = (v_schedules.zbv_rows if kind == "zbv" else v_schedules.dualpipev_rows)(
+        stages, microbatches)
+  else:
+    rows = _program_rows(kind, stages, microbatches, virtual)
+  table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3 or 6]
+  paired = table[..., 3:] if table.shape[-1] == 6 else None
   return Schedule(kind, stages, microbatches, virtual, table[..., 0], table[..., 1],
-                  table[..., 2])
+                  table[..., 2], paired)
 
 
 def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> list:
@@ -226,7 +285,7 @@ def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> li
       elif weights[s]:  # fill what would be a bubble with a pending weight gradient
         step = weights[s].pop(0)
       if step is not None:
-        live[s] += (step[0] == FORWARD) - (step[0] in _RELEASES)
+        live[s] += (step[0] == FORWARD) - (step[0] in RELEASES)
       row.append(step or (IDLE, 0, 0))
     for s, (op, m, c) in enumerate(row):
       if op != IDLE:
@@ -235,53 +294,6 @@ def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> li
     tick += 1
     if tick > 10 * (microbatches * virtual + stages) * 3:
       raise RuntimeError(f"schedule {kind} deadlocked")  # a bug in a program, never user input
-  return rows
-
-
-def _zbv_rows(stages: int, microbatches: int) -> list:
-  """ZB-V (Qi et al. 2024, arXiv:2401.10241, sec. 6): two chunks per stage in a V, the backward
-  split into an input pass (b) and a weight pass (w). Each tick a stage runs, by preference, a
-  ready b (the earlier microbatch; chunk 1, the later position, on ties), a ready forward
-  (chunk 1 first) while its saved inputs stay within 1F1B's peak (p whole-stage microbatches =
-  2p half-stage chunks), a deferred w, else nothing: the w passes fill the bubbles."""
-  p, last, limit = stages, 2 * stages - 1, 2 * stages
-  where = lambda c, s: position("zbv", p, c, s)  # noqa: E731
-  next_f = [[0, 0] for _ in range(p)]
-  next_b = [[0, 0] for _ in range(p)]
-  weights = [[] for _ in range(p)]
-  live, done, rows, tick = [0] * p, {}, [], 0
-  finished = lambda what, m, q: done.get((what, m, q), tick) < tick  # noqa: E731
-  while any(n < microbatches for per in next_b for n in per) or any(weights):
-    row = []
-    for s in range(p):
-      step = None
-      ready_b = [(m, -c) for c in (0, 1) if (m := next_b[s][c]) < microbatches
-                 and finished(FORWARD, m, where(c, s))
-                 and (where(c, s) == last or finished(BACKWARD_INPUT, m, where(c, s) + 1))]
-      if ready_b:
-        m, c = min(ready_b)[0], -min(ready_b)[1]
-        step = (BACKWARD_INPUT, m, c)
-        next_b[s][c] += 1
-        weights[s].append((BACKWARD_WEIGHT, m, c))
-      elif live[s] < limit:
-        for c in (1, 0):
-          m = next_f[s][c]
-          if m < microbatches and (where(c, s) == 0 or finished(FORWARD, m, where(c, s) - 1)):
-            step = (FORWARD, m, c)
-            next_f[s][c] += 1
-            break
-      if step is None and weights[s]:
-        step = weights[s].pop(0)
-      if step is not None:
-        live[s] += (step[0] == FORWARD) - (step[0] in _RELEASES)
-      row.append(step or (IDLE, 0, 0))
-    for s, (op, m, c) in enumerate(row):
-      if op != IDLE:
-        done[(op, m, where(c, s))] = tick
-    rows.append(row)
-    tick += 1
-    if tick > 30 * (2 * microbatches + stages):
-      raise RuntimeError("schedule zbv deadlocked")  # a bug here, never user input
   return rows
 
 

@@ -35,15 +35,17 @@ def case(stages, schedule, extra=None, layers=4, virtual=None):
                           f",{k}={v}" for k, v in (extra or {}).items()))
 
 
-FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind != "zbv"] + [
+FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind not in schedules.V_SHAPED] + [
     case(4, "1f1b"), case(8, "1f1b", layers=8),
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
     case(4, "interleaved_1f1b", {"data": 2}, layers=8),
     case(4, "zbv", {"data": 2}, layers=8),
+    case(4, "dualpipev", {"data": 2}, layers=8),
 ]
 SLOW = [case(p, kind, layers={4: 8, 8: 16}[p])
         for p in (4, 8) for kind in schedules.SCHEDULES if (p, kind) != (4, "1f1b")
-        and (p, kind) not in ((8, "1f1b"), (4, "zbv"))] + [case(2, "zbv")]
+        and (p, kind) not in ((8, "1f1b"), (4, "zbv"), (4, "dualpipev"))
+        and (p, kind) != (8, "dualpipev")] + [case(2, "zbv"), case(2, "dualpipev")]
 
 
 def check(stages, schedule, virtual, mesh, layers, references):

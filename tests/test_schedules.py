@@ -21,13 +21,15 @@ def ops_of(schedule, stage):
 @pytest.mark.parametrize("stages,microbatches", CASES)
 def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches):
   virtual = 2 if kind in ("interleaved_1f1b", *S.V_SHAPED) else 1
+  if kind == "dualpipev" and microbatches < 2 * stages:
+    microbatches = 2 * stages  # its minimum
   schedule = S.make(kind, stages, microbatches, virtual)
   when = {}
   for t, s in itertools.product(range(schedule.ticks), range(stages)):
-    op = schedule.op[t, s]
-    if op != S.IDLE:
-      key = (int(op), int(schedule.microbatch[t, s]),
-             schedule.position(int(schedule.chunk[t, s]), s))
+    for op, m, c in schedule.ops_at(t, s):
+      # DualPipeV runs some backwards whole and splits others: one name for the input gradient.
+      op = S.BACKWARD_INPUT if kind == "dualpipev" and op == S.BACKWARD else op
+      key = (op, m, schedule.position(c, s))
       assert key not in when, f"{key} runs twice"
       when[key] = t
   positions = stages * virtual
@@ -41,8 +43,10 @@ def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches
       if p < positions - 1:  # backward after the next stage's backward
         assert when[(backward, m, p)] > when[(backward, m, p + 1)]
       assert when[(backward, m, p)] > when[(S.FORWARD, m, p)]
-      if split_backward:
+      if split_backward and (S.BACKWARD_WEIGHT, m, p) in when:
         assert when[(S.BACKWARD_WEIGHT, m, p)] > when[(S.BACKWARD_INPUT, m, p)]
+      elif split_backward:  # DualPipeV's whole backwards; every other split one has its w
+        assert kind == "dualpipev"
 
 
 @pytest.mark.parametrize("stages,microbatches", CASES)
@@ -73,7 +77,7 @@ def test_zbv_folds_the_model_into_a_v_and_nearly_closes_the_bubble(stages, micro
   p, m = stages, microbatches
   zbv = S.make("zbv", p, m, 2)
   assert zbv.positions().tolist() == [list(range(p)), list(range(2 * p - 1, p - 1, -1))]
-  send, _ = zbv.messages()
+  send = zbv.messages()[0][..., 0]  # one message a tick (no pairs)
   local = {(int(zbv.op[t, s]), int(zbv.chunk[t, s]), s)
            for t, s in zip(*np.nonzero(send == S.HERE))}
   assert local == {(S.FORWARD, 0, p - 1), (S.BACKWARD_INPUT, 1, p - 1)}
@@ -84,6 +88,34 @@ def test_zbv_folds_the_model_into_a_v_and_nearly_closes_the_bubble(stages, micro
   assert S.in_flight_microbatches("zbv", p, m, 2) <= S.in_flight_microbatches("1f1b", p, m)
   assert S.bubble_ratio("zbv", p, m, 2) < S.bubble_ratio("zero_bubble", p, m)
   S.make("zbv", p, p // 2 or 1, 2)  # fewer microbatches than stages: still a valid table
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (8, 16), (8, 20)])
+def test_dualpipev_pairs_forward_and_backward_and_has_the_papers_bubble_and_memory(
+    stages, microbatches):
+  """DualPipeV (DeepSeek-V3 report; deepseek-ai/DualPipe, PP = 2p chunks on p devices): its main
+  phase pairs one microbatch's forward with another's backward in one tick (the overlapped F&B
+  that ZB-V lacks); with F = 1, B = 2, W = 1 (input and weight passes 1 each) the most idle
+  device idles (PP/2 - 1)(F&B + B - 3W) and every device holds PP + 1 chunk activations at its
+  peak, as the README of DualPipe tabulates. The same replay gives 1F1B's (PP - 1)(F + B)."""
+  p, m = stages, microbatches
+  dual = S.make("dualpipev", p, m, 2)
+  assert dual.positions().tolist() == S.make("zbv", p, m, 2).positions().tolist()
+  pairs = dual.paired[..., 0] != S.IDLE
+  for s in range(p):  # steps 4 and 5 of dualpipev.py; the last rank's first F0/B1 not paired
+    assert pairs[:, s].sum() == 2 * (m - 2 * p + s + 1) - (s == p - 1) + (p - s - 1)
+  for t, s in zip(*np.nonzero(pairs)):
+    (f, fm, fc), (b, bm, bc) = dual.ops_at(t, s)
+    assert (f, b) == (S.FORWARD, S.BACKWARD) and fc != bc and fm > bm
+  assert not np.any(S.make("zbv", p, m, 2).op == S.BACKWARD)  # ZB-V never pairs nor fuses
+  for overlapped in (2.5, 3.0):
+    durations = {S.FORWARD: 1, S.BACKWARD: 2, S.BACKWARD_INPUT: 1, S.BACKWARD_WEIGHT: 1,
+                 "pair": overlapped}
+    assert dual.idle_times(durations).max() == pytest.approx((p - 1) * (overlapped + 2 - 3))
+  assert list(dual.in_flight()) == [2 * p + 1] * p
+  assert S.in_flight_microbatches("dualpipev", p, m, 2) == (2 * p + 1) / 2
+  one_f_one_b = S.make("1f1b", 2 * p, m)  # the same PP stages, one per device
+  assert one_f_one_b.idle_times({S.FORWARD: 1, S.BACKWARD: 2}).max() == (2 * p - 1) * 3
 
 
 def test_rendering_reads_like_the_playbook():
@@ -99,6 +131,7 @@ def test_rendering_reads_like_the_playbook():
     (("interleaved_1f1b", 4, 8, 1), "virtual >= 2"),
     (("afab", 4, 8, 2), "need schedule=interleaved_1f1b"),
     (("zbv", 4, 8, 1), "two chunks per stage"),
+    (("dualpipev", 4, 6, 2), "at least twice as many microbatches as stages"),
     (("gpipe", 4, 8), "is not one of"),
 ])
 def test_invalid_schedules_are_clear_errors(args, message):
