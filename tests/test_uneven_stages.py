@@ -75,12 +75,13 @@ def references():
 
 
 @pytest.mark.parametrize("layers,mesh", [
-    (5, dict(data=4, pipeline=2)),
-    (7, dict(data=2, pipeline=4)),
-    (5, dict(data=4, pipeline=2, stage_layers="1+4", pipeline_schedule="zero_bubble")),
-    (7, dict(data=4, pipeline=2, pipeline_schedule="zbv", virtual_stages=2)),
-], ids=["5-layers-pp2", "7-layers-pp4", "5-layers-pp2-given-1+4-zero-bubble",
-        "7-layers-pp2-zbv"])
+    pytest.param(5, dict(data=4, pipeline=2), id="5-layers-pp2"),
+    pytest.param(7, dict(data=2, pipeline=4), id="7-layers-pp4"),
+    pytest.param(5, dict(data=4, pipeline=2, stage_layers="1+4", pipeline_schedule="zero_bubble"),
+                 id="5-layers-pp2-given-1+4-zero-bubble", marks=pytest.mark.slow),
+    pytest.param(7, dict(data=4, pipeline=2, pipeline_schedule="zbv", virtual_stages=2),
+                 id="7-layers-pp2-zbv", marks=pytest.mark.slow),
+])
 def test_uneven_stages_equal_one_device(layers, mesh, references):
   """Loss, gradients and parameters after 3 AdamW steps, 8 microbatches: the tolerances of
   tests/test_parallel.py."""
