@@ -212,8 +212,10 @@ def position(kind: str, stages: int, chunk: int, stage: int) -> int:
   return chunk * stages + stage
 
 
-def _ready(op, m, c, s, done, stages, virtual, tick, kind="1f1b") -> bool:
-  """Dependencies, with one tick of transfer between stages (and at the V's turn)."""
+def ready(op, m, c, s, done, stages, virtual, tick, kind="1f1b") -> bool:
+  """Whether stage s may run `op` on microbatch m, chunk c in `tick`: its inputs arrived, with
+  one tick of transfer between stages (and at the V's turn). `done` maps (op, microbatch,
+  position) to the tick it ran. Every table builder asks here."""
   here = position(kind, stages, c, s)  # this chunk's place in the whole model
   last = stages * virtual - 1
   def finished(what, pos):
@@ -278,7 +280,7 @@ def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> li
       over = nxt is not None and nxt[0] == FORWARD and live[s] >= stages - s
       if weights[s] and over:
         step = weights[s].pop(0)
-      elif nxt is not None and _ready(*nxt, s, done, stages, virtual, tick, kind):
+      elif nxt is not None and ready(*nxt, s, done, stages, virtual, tick, kind):
         step = programs[s].pop(0)
         if step[0] == BACKWARD_INPUT:
           weights[s].append((BACKWARD_WEIGHT, step[1], step[2]))

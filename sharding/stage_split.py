@@ -119,12 +119,10 @@ def stored_like(abstract, old: tuple[int, ...], new: tuple[int, ...]):
   """The abstract state (ShapeDtypeStructs with NamedShardings) a checkpoint written with split
   `old` holds, given the abstract state of split `new`: its stack leaves with old's row count,
   their rows whole (`rows_whole`)."""
-  rows = len(old) * max(old) if old else None
+  count = len(old) * max(old) if old else sum(new)  # unpadded: the model's layers
 
   def one(path, a):
     if not _in_stack(path) or len(a.shape) == 0:
       return a
-    count = rows if rows is not None else (
-        int(np.sum(present(new))) if new else a.shape[0])
     return jax.ShapeDtypeStruct((count, *a.shape[1:]), a.dtype, sharding=rows_whole(a.sharding))
   return jax.tree_util.tree_map_with_path(one, abstract)

@@ -5,7 +5,7 @@ another's backward. sharding/schedules.make calls them; the executor runs them l
 from collections import deque
 
 from sharding.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
-                                RELEASES, position)
+                                RELEASES, position, ready)
 
 
 def zbv_rows(stages: int, microbatches: int) -> list:
@@ -14,20 +14,19 @@ def zbv_rows(stages: int, microbatches: int) -> list:
   ready b (the earlier microbatch; chunk 1, the later position, on ties), a ready forward
   (chunk 1 first) while its saved inputs stay within 1F1B's peak (p whole-stage microbatches =
   2p half-stage chunks), a deferred w, else nothing: the w passes fill the bubbles."""
-  p, last, limit = stages, 2 * stages - 1, 2 * stages
+  p, limit = stages, 2 * stages
   where = lambda c, s: position("zbv", p, c, s)  # noqa: E731
   next_f = [[0, 0] for _ in range(p)]
   next_b = [[0, 0] for _ in range(p)]
   weights = [[] for _ in range(p)]
   live, done, rows, tick = [0] * p, {}, [], 0
-  finished = lambda what, m, q: done.get((what, m, q), tick) < tick  # noqa: E731
+  runs = lambda op, m, c, s: ready(op, m, c, s, done, p, 2, tick, "zbv")  # noqa: E731
   while any(n < microbatches for per in next_b for n in per) or any(weights):
     row = []
     for s in range(p):
       step = None
       ready_b = [(m, -c) for c in (0, 1) if (m := next_b[s][c]) < microbatches
-                 and finished(FORWARD, m, where(c, s))
-                 and (where(c, s) == last or finished(BACKWARD_INPUT, m, where(c, s) + 1))]
+                 and runs(BACKWARD_INPUT, m, c, s)]
       if ready_b:
         m, c = min(ready_b)[0], -min(ready_b)[1]
         step = (BACKWARD_INPUT, m, c)
@@ -36,7 +35,7 @@ def zbv_rows(stages: int, microbatches: int) -> list:
       elif live[s] < limit:
         for c in (1, 0):
           m = next_f[s][c]
-          if m < microbatches and (where(c, s) == 0 or finished(FORWARD, m, where(c, s) - 1)):
+          if m < microbatches and runs(FORWARD, m, c, s):
             step = (FORWARD, m, c)
             next_f[s][c] += 1
             break
@@ -123,27 +122,17 @@ def dualpipev_programs(stages: int, microbatches: int) -> list[list[tuple]]:
 def dualpipev_rows(stages: int, microbatches: int) -> list:
   """Runs each stage's DualPipeV program in order, an entry once its inputs arrived (one tick of
   transfer); a pair takes one tick. Rows of (op, m, c, paired op, m, c)."""
-  p, last = stages, 2 * stages - 1
+  p = stages
   programs = dualpipev_programs(p, microbatches)
   where = lambda c, s: position("dualpipev", p, c, s)  # noqa: E731
   done, rows, tick, cursor = {}, [], 0, [0] * p
-
-  def ready(op, m, c, s):
-    q = where(c, s)
-    finished = lambda what, at: done.get((what, m, at), tick) < tick  # noqa: E731
-    if op == FORWARD:
-      return q == 0 or finished(FORWARD, q - 1)
-    if op == BACKWARD_WEIGHT:
-      return finished(BACKWARD_INPUT, q)
-    upstream = q == last or finished(BACKWARD, q + 1) or finished(BACKWARD_INPUT, q + 1)
-    return finished(FORWARD, q) and upstream
 
   while any(cursor[s] < len(programs[s]) for s in range(p)):
     row = []
     for s in range(p):
       entry = programs[s][cursor[s]] if cursor[s] < len(programs[s]) else None
       parts = [] if entry is None else list(entry) if isinstance(entry[0], tuple) else [entry]
-      if parts and all(ready(*part, s) for part in parts):
+      if parts and all(ready(*part, s, done, p, 2, tick, "dualpipev") for part in parts):
         cursor[s] += 1
         row.append(tuple(parts[0]) + (tuple(parts[1]) if len(parts) == 2 else (IDLE, 0, 0)))
       else:

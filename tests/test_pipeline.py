@@ -17,12 +17,14 @@ MODELS = {layers: dataclasses.replace(harness.MODEL, num_layers=layers) for laye
 
 @pytest.fixture(scope="module")
 def references():
+  """references(layers): the one-device run of the harness model with that many layers (cached
+  per module; tests/test_uneven_stages.py uses it too)."""
   cache = {}
 
   def get(layers):
     if layers not in cache:
       cache[layers] = harness.run(MeshConfig(data=1), devices=jax.devices()[:1],
-                                  model=MODELS[layers])
+                                  model=dataclasses.replace(harness.MODEL, num_layers=layers))
     return cache[layers]
   return get
 

@@ -18,6 +18,7 @@ from sharding.plan import estimate
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
+from tests.test_pipeline import references  # noqa: F401  (the one-device runs, a fixture)
 from trainer import planning
 from trainer.trainer import Trainer
 
@@ -62,18 +63,6 @@ def test_the_split_reads_back_from_a_layout_string():
                      seq_len=16)
 
 
-@pytest.fixture(scope="module")
-def references():
-  cache = {}
-
-  def get(layers):
-    if layers not in cache:
-      cache[layers] = harness.run(MeshConfig(data=1), devices=jax.devices()[:1],
-                                  model=model(layers))
-    return cache[layers]
-  return get
-
-
 @pytest.mark.parametrize("layers,mesh", [
     pytest.param(5, dict(data=4, pipeline=2), id="5-layers-pp2"),
     pytest.param(7, dict(data=2, pipeline=4), id="7-layers-pp4"),
@@ -82,7 +71,7 @@ def references():
     pytest.param(7, dict(data=4, pipeline=2, pipeline_schedule="zbv", virtual_stages=2),
                  id="7-layers-pp2-zbv", marks=pytest.mark.slow),
 ])
-def test_uneven_stages_equal_one_device(layers, mesh, references):
+def test_uneven_stages_equal_one_device(layers, mesh, references):  # noqa: F811
   """Loss, gradients and parameters after 3 AdamW steps, 8 microbatches: the tolerances of
   tests/test_parallel.py."""
   cfg = MeshConfig(**mesh)

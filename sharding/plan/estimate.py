@@ -195,8 +195,6 @@ def stage_layers(model: ModelSpec, layout: Layout) -> float:
   """Layer rows the most loaded pipeline stage stores and runs: L / pipeline when the stages
   divide the layers, else the padded stack's share (sharding/stage_split.py, e.g. 8 for 126
   layers on 16 stages); all L without pipeline stages."""
-  if layout.pipeline == 1:
-    return model.num_layers
   return layout.layers_per_device(model.num_layers)
 
 
