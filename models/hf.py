@@ -164,8 +164,8 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
     model_dir: holds config.json and model.safetensors or model-*.safetensors + the index.
     cfg: the architecture (`read_config(model_dir)`, possibly with other dtypes).
     shardings: a pytree of jax.sharding.Sharding matching the params; None = the first device.
-    layer_of_row: the dense layer stack stored padded (uneven pipeline stages): the model layer
-      of each stored row, -1 for a padding row (zeros); None = as the model has it.
+    layer_of_row: {stack: for each stored row, its layer in the stack, -1 for a padding row
+      (zeros)} for the layer stacks stored padded (uneven pipeline stages); others as they are.
 
   Host memory: parameters are placed one at a time, each from its local devices' distinct slices,
   filled one HF tensor slice at a time from memmaps of the files (only the bytes a slice covers
@@ -188,9 +188,9 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
   params = {}
   for entry in rows:
     leaf, rows_map = _get(abstract, entry.path), None
-    if layer_of_row is not None and entry.path[0] == "layers":
-      leaf = jax.ShapeDtypeStruct((len(layer_of_row), *leaf.shape[1:]), leaf.dtype)
-      rows_map = layer_of_row
+    if layer_of_row and entry.path[0] in layer_of_row:
+      rows_map = layer_of_row[entry.path[0]]
+      leaf = jax.ShapeDtypeStruct((len(rows_map), *leaf.shape[1:]), leaf.dtype)
     _set(params, entry.path, _place(tensors, entry, leaf, _get(shardings, entry.path), rows_map))
   return params
 

@@ -31,16 +31,18 @@ def update_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
   return bias_E + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def summarize(per_layer: dict) -> dict:
-  """The model's routing stats from the MoE layers' (stacked on a leading layer dim).
+def summarize(per_layer: dict, num_layers: int) -> dict:
+  """The model's routing stats from MoE layers' (stacked on a leading layer dim): all of the
+  model's `num_layers` MoE layers, or some of them (a pipeline stage's; padding rows add zeros).
 
   Returns:
     {"aux_loss": [B] balance loss of each sequence, "z_loss": [B, L] z-loss of each token (both
-    means over the layers; trainer/loss.py weights and sums them), "dropped": assignments
-    dropped in all layers, "load": [layers, E] assignments per expert}.
+    sums over these layers / num_layers: their share of the means over the model's layers;
+    trainer/loss.py weights and sums them), "dropped": assignments dropped in these layers,
+    "load": [layers, E] assignments per expert}.
   """
-  return {"aux_loss": jnp.mean(per_layer["aux_loss"], axis=0),
-          "z_loss": jnp.mean(per_layer["z_loss"], axis=0),
+  return {"aux_loss": jnp.sum(per_layer["aux_loss"], axis=0) / num_layers,
+          "z_loss": jnp.sum(per_layer["z_loss"], axis=0) / num_layers,
           "dropped": jnp.sum(per_layer["dropped"]), "load": per_layer["load"]}
 
 

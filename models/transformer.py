@@ -101,11 +101,22 @@ class Transformer(nnx.Module):
     """Token embeddings [B, L, D] on the residual stream."""
     return constrain(self.embed(tokens_BL), RESIDUAL)
 
-  def run_layers(self, x_BLD, positions_BL, segment_ids_BL, present=None) -> jax.Array:
-    """The dense layer stack over x (whatever number of stacked layers it holds); `present`
-    ([layers] bool) marks the rows that hold a layer, the others pass x through unrun (the
-    padding of uneven pipeline stages)."""
-    return self._run(self.layers, x_BLD, positions_BL, segment_ids_BL, present)[0]
+  def run_layers(self, x_BLD, positions_BL, segment_ids_BL, present=None):
+    """The layer stacks over x, dense then MoE (whatever number of stacked layers each holds:
+    the model's, or a pipeline stage's). Returns (x, aux) as for `hidden`'s return_aux.
+
+    `present`: {stack name: [rows] bool} marks the rows of a stack that hold a layer, the others
+    pass x through unrun (the padding of uneven pipeline stages); None or a missing stack: all.
+    """
+    present = present or {}
+    if self.layers is not None:
+      x_BLD, _ = self._run(self.layers, x_BLD, positions_BL, segment_ids_BL,
+                           present.get("layers"))
+    if self.moe_layers is None:
+      return x_BLD, {}
+    x_BLD, per_layer = self._run(self.moe_layers, x_BLD, positions_BL, segment_ids_BL,
+                                 present.get("moe_layers"))
+    return x_BLD, summarize(per_layer, self.config.moe_layers())
 
   def logits(self, hidden_BLD) -> jax.Array:
     """The output head over final-norm outputs: [B, L, V]."""
@@ -129,13 +140,7 @@ class Transformer(nnx.Module):
     """
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    x = self.embed_tokens(tokens_BL)
-    if self.layers is not None:
-      x = self.run_layers(x, positions_BL, segment_ids_BL, present)
-    aux = {}
-    if self.moe_layers is not None:
-      x, per_layer = self._run(self.moe_layers, x, positions_BL, segment_ids_BL)
-      aux = summarize(per_layer)
+    x, aux = self.run_layers(self.embed_tokens(tokens_BL), positions_BL, segment_ids_BL, present)
     x = self.final_norm(x)
     return (x, aux) if return_aux else x
 
@@ -149,13 +154,22 @@ class Transformer(nnx.Module):
 
     body = block
     if present is not None:  # padding rows: a conditional, so they run no matmuls
+      # Both branches type the layer's outputs like x (in a pipeline stage: varying over its
+      # axis, whether or not a value depends on the stage's data), as cond requires.
+      typed_like = lambda x, y: jax.tree.map(
+          lambda a: a + jnp.zeros_like(x, a.dtype, shape=()), y)
+
+      def run(x, layer_state):
+        x_out, y = block(x, layer_state)
+        return x_out, typed_like(x, y)
+
       def skip(x, layer_state):
         _, y = jax.eval_shape(block, x, layer_state)
-        return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y)
+        return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
 
       def body(x, row):
         layer_state, here = row
-        return jax.lax.cond(here, block, skip, x, layer_state)
+        return jax.lax.cond(here, run, skip, x, layer_state)
       stacked = (stacked, jnp.asarray(present))
 
     policy = REMAT_POLICIES[self.config.remat]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from sharding.context import active, mesh_sizes, spec
+from sharding.context import active, in_manual_region, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 Names = tuple[str | None, ...]
@@ -75,10 +75,44 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
                        partial_axes=partial_axes, exchange=exchange, **static)
 
-  mapped = jax.shard_map(body, mesh=ctx.mesh,
-                         in_specs=(token_spec, choice_spec, choice_spec, *param_specs),
-                         out_specs=token_spec)
+  in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
+  if in_manual_region():
+    return _recomputed_in_backward(body, in_specs, token_spec)(x_BLD, ids_BLk, weights_BLk,
+                                                               *params)
+  mapped = jax.shard_map(body, mesh=ctx.mesh, in_specs=in_specs, out_specs=token_spec)
   return mapped(x_BLD, ids_BLk, weights_BLk, *params)
+
+
+def _recomputed_in_backward(body: Callable, in_specs, out_spec) -> Callable:
+  """`body` under a shard_map nested in a pipeline stage's (which is manual over the pipeline
+  axis), differentiated by a second shard_map that recomputes it: JAX's own differentiation of
+  a nested shard_map names the residuals it keeps with the outer manual axis too, which Shardy
+  rejects ("manual axes come before free axes"). The arguments are the only residuals here."""
+  mesh = jax.sharding.get_abstract_mesh()
+  forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+
+  def per_device_vjp(g, x, ids, weights, *params):
+    _, pullback = jax.vjp(lambda x, weights, *params: body(x, ids, weights, *params),
+                          x, weights, *params)
+    return pullback(g)
+
+  specs = (in_specs[0], in_specs[2], *in_specs[3:])
+  backward = jax.shard_map(per_device_vjp, mesh=mesh, in_specs=(out_spec, *in_specs),
+                           out_specs=specs)
+
+  @jax.custom_vjp
+  def run(x, ids, weights, *params):
+    return forward(x, ids, weights, *params)
+
+  def run_forward(*args):
+    return forward(*args), args
+
+  def run_backward(args, g):
+    d_x, d_weights, *d_params = backward(g, *args)
+    return (d_x, None, d_weights, *d_params)
+
+  run.defvjp(run_forward, run_backward)
+  return run
 
 
 @jax.custom_vjp
@@ -184,12 +218,15 @@ def _ragged_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
   received = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
   their_start = jax.lax.all_to_all(start.reshape(n, 1), axes, 0, 0).reshape(n)
   slots = (jnp.arange(n, dtype=jnp.int32) * capacity).astype(jnp.int32)
-  # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity.
+  # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity. The output
+  # buffers are zeros typed like the rows they receive (zeros_like keeps x's varying axes): a
+  # plain constant would be cast to varying, and the cast's transpose is an all-reduce of the
+  # whole buffer over every device in the backward.
   recv = jax.lax.ragged_all_to_all(
-      x_sorted, jnp.zeros((n * capacity, d), x_sorted.dtype), start, sent,
+      x_sorted, jnp.zeros_like(x_sorted, shape=(n * capacity, d)), start, sent,
       jnp.full((n,), me * capacity, jnp.int32), received, axis_name=axes)
   out = _run_received(recv.reshape(n, capacity, d), recv_counts, params, expert_fn)
   # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
   return jax.lax.ragged_all_to_all(
-      out.reshape(n * capacity, d), jnp.zeros((a, d), out.dtype), slots, received,
+      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)), slots, received,
       their_start, sent, axis_name=axes)

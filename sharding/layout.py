@@ -208,9 +208,6 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
     raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
                       " but pipeline=1: set pipeline > 1 or stage_layers=''")
   if stages > 1:
-    # The pipeline executor (sharding/pipeline.py) does not carry routing losses yet.
-    if getattr(model, "moe", None) is not None:
-      raise LayoutError("pipeline parallelism does not yet support MoE layers; use pipeline=1")
     # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
     # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
     if layout.context > 1:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding import schedules as sched
-from sharding.context import active, axes_of, current, excluding, mesh_sizes
+from sharding.context import active, axes_of, current, excluding, gradient_replica_axes, mesh_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +19,12 @@ class StageFns:
   """The model cut into pipeline pieces (pure functions of their parameters).
 
   first(shared, microbatch) -> x: the embedding (position 0 of the pipeline).
-  stage(shared, chunk, x, microbatch, present) -> x: one chunk of layers (`chunk` has a leading
-    layers dim; `shared` is passed so the model can be rebuilt, its gradient through `stage` is
-    0; `present` marks the chunk's rows that hold a layer, None when all do).
+  stage(shared, chunk, x, microbatch, present) -> (x, loss_sum, stats, row_stats): one chunk of
+    layers (`chunk`: {stack: weights with a leading layers dim}; `shared` is passed so the model
+    can be rebuilt, its gradient through `stage` is 0; `present`: {stack: the chunk's rows that
+    hold a layer} for padded stacks). Its loss_sum is the chunk's part of the loss (the MoE
+    router losses; 0 for dense layers), stats are summed scalars, row_stats {name: [chunk rows,
+    ...]} are per layer (the experts' loads), both without gradient.
   last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss.
   """
 
@@ -50,25 +53,30 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
 
 
 def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
-                   present: np.ndarray | None = None, by_max=None):
+                   present: dict | None = None, by_max=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
     fns: the model's pieces.
     schedule: from sharding.schedules.make (stages = pipeline size).
-    layers: pytree of stacked layer weights [L, ...], L divisible by stages x virtual.
+    layers: {stack: stacked layer weights [L, ...]}, each L divisible by stages x virtual.
     shared: pytree of the other weights (embedding, final norm, head), replicated over stages.
-    data: the microbatches, replicated over stages.
-    present: uneven stages: [stages x virtual, L / (stages x virtual)] bool, the rows of each
-      position (model order) that hold a layer (sharding/stage_split.py); None: all rows.
+    data: the microbatches {name: [M, b, ...]}, replicated over stages; their rows split over
+      the data-parallel replicas.
+    present: uneven stages: {stack: [stages x virtual, L / (stages x virtual)] bool}, the rows of
+      each position (model order) that hold a layer (sharding/stage_split.py); {}: all rows.
     by_max: (tree like `layers`, tree like `shared`) of bools: the leaves whose "gradients" are
       combined by max over microbatches and stages instead of summed (fp8 amax histories);
       None: every leaf summed.
   Returns:
-    (layer gradients [L, ...], shared gradients, loss_sum, stats), summed over microbatches.
+    (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
+    storage order), summed over microbatches.
   """
-  axes = pipeline_axes()
-  axis = axes[0]
+  axis = pipeline_axes()[0]
+  # Data-parallel replicas are manual too: each differentiates its rows of every microbatch and
+  # keeps its gradient sums, reduced once after the schedule (not once per tick and weight).
+  replica_axes, _ = gradient_replica_axes()
+  batch_spec = PartitionSpec(None, replica_axes or None)  # [M, b, ...]: rows over the replicas
   stages, virtual = schedule.stages, schedule.virtual
   order = _chunk_order(schedule)
 
@@ -80,22 +88,24 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
     return jax.tree.map(one, tree)
 
   def per_device(layers, shared, data):
-    with excluding(axes):
-      return _run(fns, schedule, axis, layers, shared, data, present, by_max)
+    with excluding((axis, *replica_axes)):
+      return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max)
 
   specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
-      per_device, mesh=current().mesh, axis_names={axis},
+      per_device, mesh=current().mesh, axis_names={axis, *replica_axes},
       in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
-                specs(data, PartitionSpec())),
+                specs(data, batch_spec)),
       out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
-                 PartitionSpec(), PartitionSpec()))
-  layer_grads, shared_grads, loss_sum, stats = mapped(to_chunks(layers), shared, data)
-  return to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats
+                 PartitionSpec(), PartitionSpec(), PartitionSpec(axis)))
+  layer_grads, shared_grads, loss_sum, stats, row_stats = mapped(to_chunks(layers), shared, data)
+  return (to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats,
+          to_chunks(row_stats, inverse=True))
 
 
-def _run(fns, schedule, axis, layers, shared, data, present, by_max):
+def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max):
   """One device's part: a scan over the ticks of the table."""
+  manual = (axis, *replica_axes)
   stages, virtual = schedule.stages, schedule.virtual
   slots, last_position = schedule.buffer_slots(), stages * virtual - 1
   table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
@@ -113,25 +123,42 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
   send_table, receive_table = jnp.asarray(send_table), jnp.asarray(receive_table)
   me = jax.lax.axis_index(axis)
   local = jax.tree.map(lambda w: w.reshape(virtual, w.shape[0] // virtual, *w.shape[1:]), layers)
+  if replica_axes:  # as varying values their gradients stay per replica (no implicit psum)
+    local = jax.tree.map(lambda w: jax.lax.pcast(w, replica_axes, to="varying"), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
+  present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
-  (_, stats_shape) = jax.eval_shape(fns.last, shared, act, first_mb)
-  # Every value here differs per stage: zeros too are typed as varying over the pipeline axis,
-  # so the branches of the per-stage switch agree on their types.
-  vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), tree)
+  x = jax.lax.pcast(jnp.zeros(act.shape, act.dtype), manual, to="varying")  # as stages see it
+  _, _, stage_stats, row_shape = jax.eval_shape(
+      fns.stage, shared, jax.tree.map(lambda w: w[0], local), x, first_mb,
+      {k: v[0] for k, v in present.items()})
+  (_, stats_shape) = jax.eval_shape(fns.last, shared, x, first_mb)
+  stats_shape = {**stats_shape, **stage_stats}
+  # Every value here differs per stage (and replica): zeros too are typed as varying over the
+  # manual axes, so the branches of the per-stage switch agree on their types.
+  vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, manual, to="varying"), tree)
   zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree))
   buffer = vary(jnp.zeros((virtual, slots, *act.shape), act.dtype))
   # The shared weights are replicated over stages; as varying values their gradients stay
   # per stage (no implicit psum inside a branch only one stage takes) and are summed at the end.
   shared = vary(shared)
   carry = dict(inputs=buffer, grads=buffer, layer_acc=zeros(local), shared_acc=zeros(shared),
-               loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape))
+               loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
+               row_acc=zeros(jax.tree.map(
+                   lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)))
+
+  def full(stats):  # a piece's stats among all of them (zeros for the others'), varying
+    return {k: z + stats[k] if k in stats else z for k, z in zeros(stats_shape).items()}
+
+  def varying(row_stats):  # the same type from every piece (a constant is not varying)
+    return jax.tree.map(jnp.add, zeros(row_shape), row_stats)
 
   layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
                                      jax.tree.map(lambda _: False, shared))
 
-  def accumulate(carry, c, d_layers, d_shared, loss, stats):
+  def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
+    carry["row_acc"] = jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows)
     carry["layer_acc"] = jax.tree.map(lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d),
                                       layer_max, carry["layer_acc"], d_layers)
     carry["shared_acc"] = jax.tree.map(lambda m, a, d: jnp.maximum(a, d) if m else a + d,
@@ -145,39 +172,52 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
     slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
-    rows = None if present is None else jnp.asarray(present)[position]
+    rows = {k: v[position] for k, v in present.items()}
     x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     no_loss = vary(jnp.zeros((), jnp.float32))
-    none_stats = zeros(stats_shape)
+    none_stats, no_rows = zeros(stats_shape), zeros(row_shape)
     # where = 0 middle, 1 first, 2 last position of the whole pipeline
     where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
 
+    def stage(s, p, x):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
+      y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows)
+      return (y, loss), (stats, row_stats)
+
     def vjps(wrt_params: bool, wrt_x: bool):
-      """(d_chunk, d_shared, dx, loss, stats) of this microbatch's stage by recomputation."""
+      """(d_chunk, d_shared, dx, loss, stats, row stats) of this microbatch's stage by
+      recomputation; every loss it adds gets the cotangent 1."""
+
       def middle():
-        _, pullback = jax.vjp(lambda p, x: fns.stage(shared, p, x, mb, rows), chunk, x)
-        d_chunk, dx = pullback(g)
-        return d_chunk, zeros(shared), dx, no_loss, none_stats
+        (_, loss), pullback, (stats, row_stats) = jax.vjp(
+            lambda p, x: stage(shared, p, x), chunk, x, has_aux=True)
+        d_chunk, dx = pullback((g, jnp.ones_like(loss)))
+        return d_chunk, zeros(shared), dx, no_loss + loss, full(stats), varying(row_stats)
 
       def first():
-        _, pullback = jax.vjp(lambda s, p: fns.stage(s, p, fns.first(s, mb), mb, rows),
-                                shared, chunk)
-        d_shared, d_chunk = pullback(g)
-        return d_chunk, d_shared, nothing, no_loss, none_stats
+        (_, loss), pullback, (stats, row_stats) = jax.vjp(
+            lambda s, p: stage(s, p, fns.first(s, mb)), shared, chunk, has_aux=True)
+        d_shared, d_chunk = pullback((g, jnp.ones_like(loss)))
+        return d_chunk, d_shared, nothing, no_loss + loss, full(stats), varying(row_stats)
 
       def last():
-        (loss, stats), pullback = jax.vjp(
-            lambda s, p, x: fns.last(s, fns.stage(s, p, x, mb, rows), mb), shared, chunk, x)
-        d_shared, d_chunk, dx = pullback((jnp.ones_like(loss), zeros(stats)))
-        return d_chunk, d_shared, dx, loss, stats
+        def through_head(s, p, x):
+          (y, loss), (stats, row_stats) = stage(s, p, x)
+          head_loss, head_stats = fns.last(s, y, mb)
+          return loss + head_loss, ({**stats, **head_stats}, row_stats)
 
-      d_chunk, d_shared, dx, loss, stats = jax.lax.switch(where, (middle, first, last))
+        loss, pullback, (stats, row_stats) = jax.vjp(through_head, shared, chunk, x,
+                                                     has_aux=True)
+        d_shared, d_chunk, dx = pullback(jnp.ones_like(loss))
+        return d_chunk, d_shared, dx, no_loss + loss, full(stats), varying(row_stats)
+
+      d_chunk, d_shared, dx, loss, stats, row_stats = jax.lax.switch(where,
+                                                                     (middle, first, last))
       if not wrt_params:
         d_chunk, d_shared = zeros(chunk), zeros(shared)
       if not wrt_x:
         dx = nothing
-      return d_chunk, d_shared, dx, loss, stats
+      return d_chunk, d_shared, dx, loss, stats, row_stats
 
     def idle(carry):
       return carry, nothing, nothing
@@ -186,14 +226,14 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
       # The last position's forward is recomputed by its backward; only store nothing here.
       x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
       y = jax.lax.cond(where == 2, lambda: nothing,
-                       lambda: fns.stage(shared, chunk, x_in, mb, rows))
+                       lambda: fns.stage(shared, chunk, x_in, mb, rows)[0])
       return carry, y, nothing
 
     def backward(carry, wrt_params=True, wrt_x=True, count_loss=True):
-      d_chunk, d_shared, dx, loss, stats = vjps(wrt_params, wrt_x)
+      d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
       if not count_loss:
-        loss, stats = no_loss, none_stats
-      return accumulate(carry, c, d_chunk, d_shared, loss, stats), nothing, dx
+        loss, stats, row_stats = no_loss, none_stats, no_rows
+      return accumulate(carry, c, d_chunk, d_shared, loss, stats, row_stats), nothing, dx
 
     branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: backward,
                 sched.BACKWARD_INPUT: lambda carry: backward(carry, wrt_params=False),
@@ -230,9 +270,16 @@ def _run(fns, schedule, axis, layers, shared, data, present, by_max):
     return carry, None
 
   carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.shape[0]))
-  layer_grads = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["layer_acc"])
-  psum = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, axis), tree)
-  shared_grads = jax.tree.map(lambda m, a: jax.lax.pmax(a, axis) if m else jax.lax.psum(a, axis),
-                              shared_max, carry["shared_acc"])
-  return layer_grads, shared_grads, psum(carry["loss"]), psum(carry["stats"])
+  # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
+  # over stages and replicas (the rest).
+  def reduce(tree, axes, by_max=None):
+    by_max = by_max or jax.tree.map(lambda _: False, tree)
+    if not axes:
+      return tree
+    return jax.tree.map(lambda m, a: jax.lax.pmax(a, axes) if m else jax.lax.psum(a, axes),
+                        by_max, tree)
+  rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+  return (rows_of(reduce(carry["layer_acc"], replica_axes, layer_max)),
+          reduce(carry["shared_acc"], manual, shared_max), reduce(carry["loss"], manual),
+          reduce(carry["stats"], manual), rows_of(reduce(carry["row_acc"], replica_axes)))
 

@@ -5,6 +5,11 @@ With a split like 3+2 (5 layers over 2 positions) every position gets `slots = m
 of the stacked layer weights; the rows a position does not use are padding (zeros, never run:
 the stage skips them with a conditional, so they cost memory but no matmuls). The stack is
 stored padded in model order (position 0's rows first), so the pipeline axis divides it.
+
+A MoE model has two stacks, its first dense layers (`layers`) and its MoE layers (`moe_layers`);
+a position's layers are some of each, so each stack gets its own counts per position (its
+"stack split", e.g. 1 dense + 3 MoE layers on 2 positions: layers 1+0, moe_layers 1+2), and is
+padded by its own max when those are uneven.
 """
 
 import math
@@ -55,6 +60,47 @@ def split(num_layers: int, positions: int, stage_layers: str = "") -> tuple[int,
   return tuple(counts)
 
 
+# The model's layer stacks in model order (models/transformer.py): dense layers, then MoE layers.
+STACKS = ("layers", "moe_layers")
+# ((stack name, its layers per position), ...) for the stacks stored padded; () for none.
+StackSplit = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def stack_split(counts: tuple[int, ...], dense_layers: int) -> StackSplit:
+  """How the stacks are stored for the split `counts` (layers per position) of a model whose
+  first `dense_layers` layers are dense: every stack's layers per position when any stack's are
+  uneven (all stacks then stored padded), else () (each stack divides evenly, stored as is)."""
+  dense, start = [], 0
+  for n in counts:
+    dense.append(min(max(dense_layers - start, 0), n))
+    start += n
+  per_stack = (tuple(dense), tuple(n - d for n, d in zip(counts, dense)))
+  split = tuple((name, c) for name, c in zip(STACKS, per_stack) if sum(c))
+  return split if any(is_uneven(c) for _, c in split) else ()
+
+
+def from_meta(value) -> StackSplit:
+  """A checkpoint's recorded split: [[name, counts], ...], or the layer counts alone (dense
+  models, written before MoE pipelines)."""
+  if value and all(isinstance(v, int) for v in value):
+    return (("layers", tuple(value)),)
+  return tuple((name, tuple(c)) for name, c in value or ())
+
+
+def present_rows(split: StackSplit, flat: bool = False) -> dict[str, np.ndarray]:
+  """{stack: [positions, slots] bool (flat: [positions x slots])} of the padded stacks."""
+  return {name: present(c).reshape(-1) if flat else present(c) for name, c in split}
+
+
+def pad_stacks(params: dict, split: StackSplit) -> dict:
+  """The model's parameters with each stack of `split` padded."""
+  return {**params, **{name: pad(params[name], c) for name, c in split}}
+
+
+def unpad_stacks(params: dict, split: StackSplit) -> dict:
+  return {**params, **{name: unpad(params[name], c) for name, c in split}}
+
+
 def is_uneven(counts: tuple[int, ...]) -> bool:
   return bool(counts) and len(set(counts)) > 1
 
@@ -94,18 +140,22 @@ def layer_of_row(counts: tuple[int, ...]) -> np.ndarray:
   return out
 
 
-def _in_stack(path) -> bool:
-  return any(getattr(key, "key", None) == "layers" for key in path)
+def _stack_of(path) -> str | None:
+  """The layer stack a state leaf belongs to (its parameter or optimizer moment), or None."""
+  return next((key.key for key in path if getattr(key, "key", None) in STACKS), None)
 
 
-def restack(tree, old: tuple[int, ...], new: tuple[int, ...]):
+def restack(tree, old: StackSplit, new: StackSplit):
   """A state stored with split `old` (() = unpadded) as split `new` would store it: every leaf
-  under a `layers` key (parameters and their optimizer moments) unpadded, then padded again."""
+  of a layer stack (parameters and their optimizer moments) unpadded, then padded again."""
+  old, new = dict(old), dict(new)
+
   def one(path, w):
-    if not _in_stack(path) or getattr(w, "ndim", 0) == 0:
+    stack = _stack_of(path)
+    if stack is None or getattr(w, "ndim", 0) == 0:
       return w
-    w = unpad(w, old) if old else w
-    return pad(w, new) if new else w
+    w = unpad(w, old[stack]) if stack in old else w
+    return pad(w, new[stack]) if stack in new else w
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
@@ -115,14 +165,19 @@ def rows_whole(sharding: NamedSharding) -> NamedSharding:
   return NamedSharding(sharding.mesh, PartitionSpec(None, *tuple(sharding.spec)[1:]))
 
 
-def stored_like(abstract, old: tuple[int, ...], new: tuple[int, ...]):
+def stored_like(abstract, old: StackSplit, new: StackSplit):
   """The abstract state (ShapeDtypeStructs with NamedShardings) a checkpoint written with split
   `old` holds, given the abstract state of split `new`: its stack leaves with old's row count,
   their rows whole (`rows_whole`)."""
-  count = len(old) * max(old) if old else sum(new)  # unpadded: the model's layers
+  old, new = dict(old), dict(new)
 
   def one(path, a):
-    if not _in_stack(path) or len(a.shape) == 0:
+    stack = _stack_of(path)
+    if stack is None or len(a.shape) == 0:
       return a
+    if stack in old:
+      count = len(old[stack]) * max(old[stack])
+    else:  # unpadded: the stack's own layers
+      count = sum(new[stack]) if stack in new else a.shape[0]
     return jax.ShapeDtypeStruct((count, *a.shape[1:]), a.dtype, sharding=rows_whole(a.sharding))
   return jax.tree_util.tree_map_with_path(one, abstract)

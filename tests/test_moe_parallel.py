@@ -6,6 +6,7 @@ design: where the one-device gradient is exactly zero, the layout's must be exac
 
 import dataclasses
 import functools
+import math
 import re
 
 import jax
@@ -149,6 +150,13 @@ def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
                    if i.op == "ragged-all-to-all-start")
   assert executions == 4 * cfg.model.moe_layers()
   assert not re.search(r"\ball-gather(-start)?\(", text)
+  # Nor is an exchange buffer all-reduced in the backward (it was, over all 8 devices, while the
+  # buffers were constants cast to varying: the cast's transpose is a psum).
+  tokens, moe = cfg.batch_size * cfg.seq_len // 8, cfg.model.moe
+  buffers = {8 * tokens * min(moe.experts_per_token, moe.num_experts // 8) * cfg.model.embed_dim,
+             tokens * moe.experts_per_token * cfg.model.embed_dim}
+  reduced = [math.prod(c.shape) for c in hlo.collectives(text) if c.kind == "all-reduce"]
+  assert reduced and not buffers & set(reduced), (buffers, reduced)
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

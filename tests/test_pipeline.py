@@ -99,6 +99,23 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
     assert sum(c.bytes * c.count for c in permutes) == 2 * ticks * activation
 
 
+def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
+  """pipeline=2 x data=4, 8 microbatches: each data-parallel replica keeps its own gradient sums
+  through the schedule, so every reduction over the 4 replicas runs once per step, outside the
+  tick loop (before: one all-reduce of the stage's weight gradients per tick), and the loop
+  holds no collective but the two stage-to-stage permutes."""
+  cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[4])
+  trainer = Trainer(cfg)
+  with trainer.context():
+    text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+        ).as_text()
+  cols = hlo.collectives(text)
+  reductions = [c for c in cols if c.kind == "all-reduce" and c.group_size == 4]
+  assert reductions and all(c.count == 1 for c in reductions)
+  in_loop = [c for c in cols if c.count > 1]
+  assert in_loop and {c.kind for c in in_loop} == {"collective-permute"}, in_loop
+
+
 @pytest.mark.parametrize("mesh,layers,microbatches,message", [
     (dict(pipeline=8), 6, 8, "8 pipeline stages .x virtual stages. for 6 layers"),
     (dict(pipeline=2, data=4, stage_layers="2+3"), 6, 8, "gives 2 stages with 5 layers"),

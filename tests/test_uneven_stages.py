@@ -116,7 +116,7 @@ def test_padding_rows_run_no_matmuls_and_stay_zero():
   XLA's cost_analysis() charges a conditional with its costliest branch, so the compiled
   program's FLOPs are those of the most loaded stage (3 layers), which sets the step time."""
   uneven, even = _trainer(5), _trainer(6)
-  assert uneven.stage_layers == (3, 2) and even.stage_layers == ()
+  assert uneven.stage_layers == (("layers", (3, 2)),) and even.stage_layers == ()
   assert uneven.abstract_state.params["layers"]["mlp"]["down"]["w"].shape[0] == 6
   texts = {}
   for name, trainer in (("uneven", uneven), ("even", even)):

@@ -140,12 +140,12 @@ class Checkpointer:
                             " resume from an earlier one") from None
 
   def restore(self, step: int, target_state, iterator, model_config: dict,
-              shared_data_state: bool = True, stage_layers: tuple[int, ...] = ()):
+              shared_data_state: bool = True, stage_layers: stage_split.StackSplit = ()):
     """Restores `step` into the shardings of `target_state` (ShapeDtypeStructs with shardings:
     any layout or device count) and the iterator's position. Returns (state, meta, data_ok).
 
-    `stage_layers`: the target's uneven pipeline split (its layer stack stored padded); a
-    checkpoint written with another split (meta "stage_layers") is read with its stack's rows
+    `stage_layers`: the target's uneven pipeline split (its layer stacks stored padded); a
+    checkpoint written with another split (meta "stage_layers") is read with its stacks' rows
     whole over the pipeline axis and restacked into the target's.
 
     With `shared_data_state` (every process iterates the same global stream) any process count
@@ -159,7 +159,7 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(mismatched)};"
                             " use another --workdir or the checkpoint's model config")
-    written = tuple(meta.get("stage_layers", ()))
+    written = stage_split.from_meta(meta.get("stage_layers"))
     target = target_state
     if written != tuple(stage_layers):
       target = stage_split.stored_like(target_state, written, stage_layers)

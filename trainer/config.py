@@ -48,9 +48,9 @@ class StepConfig:
   grad_accum_dtype: str = "float32"
   pipeline_schedule: str = "1f1b"
   virtual_stages: int = 1
-  # Uneven pipeline stages: layers per position (sharding/stage_split.py), the layer stack stored
-  # padded to max(stage_layers) rows per position; () when the stages divide the layers.
-  stage_layers: tuple[int, ...] = ()
+  # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
+  # each stack stored padded to its max rows per position; () when every stack divides evenly.
+  stage_layers: tuple = ()
   loss_impl: str = "dense"  # "dense" logits, or "chunked" head + loss (ModelConfig.loss_impl)
   loss_chunk_size: int = 256
   moe_balance_weight: float = 0.0  # MoEConfig.load_balance_loss

@@ -57,7 +57,7 @@ def init_state_from_hf(trainer) -> TrainState:
   cfg = trainer.cfg
   model_dir = cfg.init_from[len(PREFIX):]
   with trainer.context():
-    rows = stage_split.layer_of_row(trainer.stage_layers) if trainer.stage_layers else None
+    rows = {name: stage_split.layer_of_row(counts) for name, counts in trainer.stage_layers}
     params = hf.load_params(model_dir, cfg.model, trainer.shardings.params, rows)
     state = jax.jit(lambda p: fresh_state(p, trainer.tx, cfg.seed),
                     out_shardings=trainer.shardings, donate_argnums=0)(params)
@@ -100,7 +100,7 @@ def from_hf(model_dir: str, out: str) -> None:
 
 def _restore_params(path: str, model: ModelConfig, partial: bool, written=()):
   """Restores only the parameters (never the optimizer state) into the local FSDP layout; a
-  layer stack `written` padded for uneven pipeline stages comes back as the model's."""
+  layer stacks `written` padded for uneven pipeline stages come back as the model's."""
   abstract, shardings = _local_layout(model)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, shardings)
@@ -145,7 +145,7 @@ def _source(src: str):
   if step is None:
     raise CheckpointError(f"no committed checkpoint in {directory}")
   with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
-    written = tuple(json.load(f).get("stage_layers", ()))
+    written = stage_split.from_meta(json.load(f).get("stage_layers"))
   params = _restore_params(os.path.join(directory, str(step), "state"), cfg.model, partial=True,
                            written=written)
   base = None

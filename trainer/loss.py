@@ -83,13 +83,18 @@ def moe_metrics(stats: dict, tokens) -> dict:
   dropped, and each expert's load as a multiple of its fair share (1 = balanced): min and max
   over layers and experts, coefficient of variation over experts averaged over layers."""
   load = stats["moe_load"]
-  total = jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
-  share = load * load.shape[-1] / total
+  total = jnp.sum(load, axis=-1, keepdims=True)
+  # Every layer routes each token somewhere; a row that routed nothing is the padding of an
+  # uneven pipeline stage (sharding/stage_split.py), left out.
+  real = total > 0
+  share = load * load.shape[-1] / jnp.maximum(total, 1.0)
+  cv = jnp.std(share, axis=-1, keepdims=True) / jnp.maximum(jnp.mean(share, -1, keepdims=True),
+                                                            1e-9)
   return {
       "moe_aux_loss": stats["moe_aux_sum"] / tokens,
       "moe_z_loss": stats["moe_z_sum"] / tokens,
-      "moe_dropped_fraction": stats["moe_dropped"] / jnp.sum(total),
-      "moe_load_min": jnp.min(share),
-      "moe_load_max": jnp.max(share),
-      "moe_load_cv": jnp.mean(jnp.std(share, axis=-1) / jnp.mean(share, axis=-1)),
+      "moe_dropped_fraction": stats["moe_dropped"] / jnp.maximum(jnp.sum(total), 1.0),
+      "moe_load_min": jnp.min(jnp.where(real, share, jnp.inf)),
+      "moe_load_max": jnp.max(jnp.where(real, share, -jnp.inf)),
+      "moe_load_cv": jnp.sum(jnp.where(real, cv, 0.0)) / jnp.maximum(jnp.sum(real), 1),
   }

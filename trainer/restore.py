@@ -24,7 +24,7 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
   if step is None and cfg.checkpoint.restore_from:
     source, step = other_run(cfg.checkpoint.restore_from, cfg)
   meta = {"run_id": uuid.uuid4().hex, "process_count": jax.process_count(),
-          "config": dataclasses.asdict(cfg), "stage_layers": list(trainer.stage_layers)}
+          "config": dataclasses.asdict(cfg), "stage_layers": [[name, list(counts)] for name, counts in trainer.stage_layers]}
   if step is None and cfg.init_from:  # fresh optimizer state, parameters from HF weights
     trainer.state = convert.init_state_from_hf(trainer)
     return train_iter, 0, meta

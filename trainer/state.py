@@ -36,28 +36,24 @@ def fresh_state(params, tx: optax.GradientTransformation, seed: int) -> TrainSta
 
 
 def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-                 stage_layers: tuple[int, ...] = ()):
+                 stage_layers: stage_split.StackSplit = ()):
   """A pure function () -> TrainState for jax.eval_shape and jit(out_shardings=...): random
   parameters (trainer/convert.py starts from Hugging Face weights with `fresh_state` instead),
-  the layer stack padded for uneven pipeline stages (the same draws as unpadded)."""
+  the layer stacks padded for uneven pipeline stages (the same draws as unpadded)."""
   def init() -> TrainState:
     return fresh_state(stored(init_params(model_cfg, _keys(seed)[0]), stage_layers), tx, seed)
   return init
 
 
-def stored(params, stage_layers: tuple[int, ...]):
-  """Parameters as the train state stores them: with uneven pipeline stages the layer stack
+def stored(params, stage_layers: stage_split.StackSplit):
+  """Parameters as the train state stores them: with uneven pipeline stages the layer stacks
   padded per position (sharding/stage_split.py), else as they are."""
-  if not stage_layers:
-    return params
-  return {**params, "layers": stage_split.pad(params["layers"], stage_layers)}
+  return stage_split.pad_stacks(params, stage_layers)
 
 
-def unstored(params, stage_layers: tuple[int, ...]):
+def unstored(params, stage_layers: stage_split.StackSplit):
   """The model's own parameters (the padding rows dropped): for export and comparisons."""
-  if not stage_layers:
-    return params
-  return {**params, "layers": stage_split.unpad(params["layers"], stage_layers)}
+  return stage_split.unpad_stacks(params, stage_layers)
 
 
 def state_shardings(abstract: TrainState, names, tx: optax.GradientTransformation) -> TrainState:

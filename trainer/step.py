@@ -23,8 +23,8 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 def make_loss_sums(graphdef, cfg: StepConfig):
   """loss_sums(params, batch) -> (loss_sum, stats): the model's final hidden states through the
   head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses."""
-  # Uneven pipeline stages store the layer stack padded; the padding rows are skipped.
-  present = stage_split.present(cfg.stage_layers).reshape(-1) if cfg.stage_layers else None
+  # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
+  present = stage_split.present_rows(cfg.stage_layers, flat=True)
 
   def loss_sums(params, batch):
     model = nnx.merge(graphdef, params)

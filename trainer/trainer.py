@@ -44,9 +44,10 @@ class Trainer:
       self.graphdef, _ = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
-      # Uneven pipeline stages: the layer stack is stored padded per stage (stage_split.py).
+      # Uneven pipeline stages: the layer stacks are stored padded per stage (stage_split.py).
       split = self.layout.layout.stage_split(cfg.model.num_layers)
-      self.stage_layers = split if stage_split.is_uneven(split) else ()
+      self.stage_layers = stage_split.stack_split(split, cfg.model.dense_layers()) \
+          if split else ()
       self.step_config = dataclasses.replace(cfg.step(), stage_layers=self.stage_layers)
       self._init = make_init_fn(cfg.model, self.tx, cfg.seed, self.stage_layers)
       self.abstract_state = jax.eval_shape(self._init)

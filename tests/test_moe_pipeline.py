@@ -1,0 +1,121 @@
+"""MoE layers under a pipeline: router losses, routing biases and expert parallelism inside a
+stage, with both dispatches, train exactly like one device (test_parallel.py's tolerances).
+
+A MoE model has two layer stacks (the first dense layers, then the MoE layers); a stage's layers
+are some of each, so each stack gets its own layers per stage and is padded by its own max
+(sharding/stage_split.py)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import MoEConfig
+from sharding import MeshConfig, stage_split
+from tests import parallel_harness as harness
+from tests.test_moe_parallel import DROPPING, MOE, assert_same_training, reference
+from trainer import checkpoint, convert, loop
+from trainer.loss import moe_metrics
+from trainer.state import unstored
+from trainer.trainer import Trainer
+
+PIPELINE = MeshConfig(data=2, pipeline=2, expert=2)
+
+
+@pytest.mark.parametrize("counts,dense,split", [
+    # The harness MoE (1 dense + 1 MoE layer) on 2 stages: each stack on one stage.
+    ((1, 1), 1, (("layers", (1, 0)), ("moe_layers", (0, 1)))),
+    # 1 dense + 3 MoE on 2 stages: the first stage runs a dense and a MoE layer.
+    ((2, 2), 1, (("layers", (1, 0)), ("moe_layers", (1, 2)))),
+    # DeepSeek-V3 (61 layers, the first 3 dense) on 8 stages, the automatic split.
+    ((7, 8, 8, 8, 8, 8, 7, 7), 3,
+     (("layers", (3, 0, 0, 0, 0, 0, 0, 0)), ("moe_layers", (4, 8, 8, 8, 8, 8, 7, 7)))),
+    ((8, 8, 8, 8), 0, ()),   # Mixtral 8x7B (32 MoE layers) on 4 stages: even, nothing padded
+    ((3, 2), 5, (("layers", (3, 2)),)),  # a dense model: its one stack, as before
+])
+def test_each_stack_gets_its_layers_per_stage(counts, dense, split):
+  assert stage_split.stack_split(counts, dense) == split
+  assert stage_split.from_meta([[n, list(c)] for n, c in split]) == split
+  assert stage_split.from_meta([3, 2]) == (("layers", (3, 2)),)  # checkpoints before MoE
+
+
+def _train(moe: MoEConfig, layers: int, **options):
+  model = dataclasses.replace(harness.MODEL, num_layers=layers)
+  return harness.run(PIPELINE, moe=moe, model=model, **options)
+
+
+@pytest.mark.parametrize("moe", [DROPPING, MOE], ids=["dropping", "dropless"])
+def test_moe_on_pipeline_expert_data_equals_one_device(moe):
+  """pipeline=2 x expert=2 x data=2, 2 microbatches (1F1B): the harness MoE's dense layer on
+  the first stage, its MoE layer on the second, each stack padded to 2 rows. The stages' shares
+  of the balance and z losses add up to the one-device loss, the routing counts of each layer
+  (the sigmoid router's bias update) come back from its stage, dropping drops the same tokens,
+  and dropless exchanges tokens inside a stage by a shard_map nested in the pipeline's."""
+  cfg = harness.config(PIPELINE, moe=moe, microbatches=2)
+  assert Trainer(cfg).stage_layers == (("layers", (1, 0)), ("moe_layers", (0, 1)))
+  assert_same_training(harness.run(PIPELINE, moe=moe, microbatches=2), reference(moe))
+
+
+@pytest.mark.slow
+def test_a_stage_of_dense_and_moe_layers_under_zero_bubble_equals_one_device():
+  """1 dense + 3 MoE layers (stage 0: the dense and a MoE layer), ZB-H1 (the backward split in
+  two: the router losses and loads are counted once per microbatch), 4 microbatches."""
+  schedule = dataclasses.replace(PIPELINE, pipeline_schedule="zero_bubble")
+  model = dataclasses.replace(harness.MODEL, num_layers=4)
+  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], moe=DROPPING, model=model,
+                    microbatches=4)
+  assert_same_training(harness.run(schedule, moe=DROPPING, model=model, microbatches=4), ref)
+
+
+def test_moe_metrics_leave_out_padding_rows():
+  """A padded stack's rows route nothing; the load metrics are those of the real layers."""
+  load = jnp.asarray([[3.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+  stats = dict(moe_load=load, moe_aux_sum=1.0, moe_z_sum=1.0, moe_dropped=0.0)
+  real = dict(stats, moe_load=load[jnp.asarray([0, 2])])
+  got, want = moe_metrics(stats, 4.0), moe_metrics(real, 4.0)
+  assert float(want["moe_load_min"]) == 0.5 and float(want["moe_load_max"]) == 1.5
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+def test_a_padded_moe_checkpoint_resumes_unpipelined_and_exports_to_hf(tmp_path):
+  """A Mixtral-style model (3 MoE layers) on pipeline=2 x expert=2 (its stack 2+1, stored as 2 x 2
+  rows) saved at step 2: restored under data=8 it holds the model's own 3 rows, equal to the
+  padded state's real rows; its HF export (Mixtral names) reads back equal, and imports into the
+  padded layout row for row."""
+  from models import hf
+  from tests.test_checkpoint import _every, _target, tiny_run
+
+  def run_cfg(mesh, **kw):
+    cfg = tiny_run(mesh=mesh, microbatches=2, steps=2, checkpoint=_every(2), batch_size=16, **kw)
+    cfg.model.num_layers = 3
+    cfg.model.moe = MoEConfig(num_experts=4, experts_per_token=2)  # Mixtral: expert = MLP width
+    cfg.max_replicated_fraction = 1.0
+    return cfg
+
+  source = tmp_path / "source"
+  padded = MeshConfig(data=2, pipeline=2, expert=2)
+  loop.run(run_cfg(padded), str(source))
+  restored = {}
+  for name, mesh in (("data=8", MeshConfig(data=8)), ("padded", padded)):
+    trainer = Trainer(run_cfg(mesh))
+    state, _, _ = checkpoint.Checkpointer(str(source / "checkpoints"), trainer.cfg.checkpoint
+                                          ).restore(2, _target(trainer), trainer.iterator("train"),
+                                                    vars(trainer.cfg.model), True,
+                                                    trainer.stage_layers)
+    restored[name] = jax.tree.map(np.asarray, unstored(state.params, trainer.stage_layers))
+    if name == "padded":
+      assert trainer.stage_layers == (("moe_layers", (2, 1)),)
+      assert state.params["moe_layers"]["moe"]["router"]["w"].shape[0] == 4
+  jax.tree.map(np.testing.assert_array_equal, restored["data=8"], restored["padded"])
+
+  convert.to_hf(str(source), str(tmp_path / "hf"))
+  exported = hf.load_params(str(tmp_path / "hf"), run_cfg(MeshConfig(data=8)).model)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), exported,
+               restored["data=8"])
+  trainer = Trainer(run_cfg(padded, init_from=f"hf:{tmp_path / 'hf'}"))
+  imported = convert.init_state_from_hf(trainer).params
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               unstored(imported, trainer.stage_layers), exported)
