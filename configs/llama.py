@@ -1,4 +1,5 @@
-"""Llama presets: real model sizes (for planning and compiling) and tiny ones that train on CPU."""
+"""Presets of the Llama architecture (Llama, the playbook's models, Qwen3 dense): real model sizes
+(for planning and compiling) and tiny ones that train on CPU."""
 
 import copy
 
@@ -12,6 +13,9 @@ _LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_hig
                      rope_original_max_len=8192)
 # The Ultra-Scale Playbook's benchmark models: as many KV heads as heads, vocab 131072.
 _PLAYBOOK = dict(vocab_size=131_072, head_dim=128, rope_theta=500_000.0, dtype="bfloat16")
+# Qwen3 (config.json of Qwen/Qwen3-8B and -32B): Llama's block with QK-norm, untied embeddings.
+_QWEN3 = dict(vocab_size=151_936, head_dim=128, num_kv_heads=8, rope_theta=1_000_000.0,
+              norm_eps=1e-6, qk_norm=True, dtype="bfloat16")
 
 MODELS = {
     # Tiny: trains on 2 CPU cores in a few minutes (byte vocabulary, padded to 264 so 8 divides it).
@@ -38,6 +42,9 @@ MODELS = {
                                mlp_dim=14_336, **_PLAYBOOK),
     "playbook_80b": ModelConfig(embed_dim=8192, num_layers=80, num_heads=64, num_kv_heads=64,
                                 mlp_dim=28_672, **_PLAYBOOK),
+    "qwen3_8b": ModelConfig(embed_dim=4096, num_layers=36, num_heads=32, mlp_dim=12_288, **_QWEN3),
+    "qwen3_32b": ModelConfig(embed_dim=5120, num_layers=64, num_heads=64, mlp_dim=25_600,
+                             **_QWEN3),
 }
 
 

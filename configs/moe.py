@@ -1,4 +1,5 @@
-"""MoE presets: a tiny one that trains on CPU, and Mixtral- and DeepSeek-V3-sized ones."""
+"""MoE presets: a tiny one that trains on CPU, and Mixtral-, DeepSeek-V3- and Qwen3-MoE-sized
+ones."""
 
 import copy
 import dataclasses
@@ -7,6 +8,11 @@ from configs import llama
 from models.config import MoEConfig, ModelConfig
 from sharding.mesh import MeshConfig
 from trainer.config import OptimConfig, TrainConfig
+
+_QWEN3_MOE = dict(vocab_size=151_936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6,
+                  qk_norm=True, dtype="bfloat16")
+_QWEN3_ROUTER = dict(num_experts=128, experts_per_token=8, router="softmax",
+                     load_balance_loss=0.001, router_z_loss=0.0, dispatch="dropless")
 
 MODELS = {
     # The debug Llama with 8 experts of half its MLP width, top-2: the same active parameters
@@ -34,6 +40,14 @@ MODELS = {
                       num_shared_experts=1, first_dense_layers=3, router="sigmoid",
                       load_balance_loss=0.0001, router_z_loss=0.0, bias_update_rate=0.001,
                       routed_scaling=2.5, dispatch="dropless")),
+    # Qwen3-MoE (config.json of Qwen/Qwen3-30B-A3B and -235B-A22B): QK-norm, every layer a MoE of
+    # 128 experts top-8 (softmax, norm_topk_prob), no shared expert, balance loss 0.001.
+    "qwen3_30b_a3b": ModelConfig(
+        embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, mlp_dim=6144,
+        **_QWEN3_MOE, moe=MoEConfig(expert_mlp_dim=768, **_QWEN3_ROUTER)),
+    "qwen3_235b_a22b": ModelConfig(
+        embed_dim=4096, num_layers=94, num_heads=64, num_kv_heads=4, mlp_dim=12_288,
+        **_QWEN3_MOE, moe=MoEConfig(expert_mlp_dim=1536, **_QWEN3_ROUTER)),
 }
 
 

@@ -6,7 +6,7 @@ from flax import nnx
 
 import kernels
 from models.config import ModelConfig
-from models.layers import Einsum
+from models.layers import Einsum, RMSNorm
 from models.rope import apply_rope, inverse_frequencies
 from kernels.attention import resolve as resolve_impl
 from sharding import (constrain, context_attention, in_manual_region, platform, sequence_axes,
@@ -38,6 +38,9 @@ class Attention(nnx.Module):
     self.k = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
     self.v = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
     self.o = Einsum((h, dh, d), ("heads", "head_dim", "embed"), (0, 1), **kw)
+    norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+    self.q_norm = RMSNorm(dh, cfg.norm_eps, **norm) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(dh, cfg.norm_eps, **norm) if cfg.qk_norm else None
     # Plain numbers (static), not arrays: the frequencies are a trace-time constant.
     self.rope = (dh, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
@@ -55,6 +58,8 @@ class Attention(nnx.Module):
     q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
     k = constrain(self.k("BLD,DKd->BLKd", x_BLD), KV_NAMES)
     v = constrain(self.v("BLD,DKd->BLKd", x_BLD), KV_NAMES)
+    if self.q_norm is not None:  # QK-norm (Qwen3), per head over the head dim
+      q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = inverse_frequencies(*self.rope)
     q = apply_rope(q, positions_BL, inv_freq)
     k = apply_rope(k, positions_BL, inv_freq)

@@ -82,6 +82,9 @@ class MoEConfig:
   # Dropless token exchange with expert > 1: "padded" all-to-all of worst-case buffers (works
   # everywhere), "ragged" all-to-all (GPU; XLA:CPU does not implement it), "auto": ragged on GPU.
   exchange: str = "auto"
+  # The top-k weights renormalized to sum 1 (Mixtral, DeepSeek-V3; Qwen3-MoE's norm_topk_prob);
+  # False: the router's own probabilities of the chosen experts.
+  normalize_top_k: bool = True
 
   def mlp_dim(self, model_mlp_dim: int) -> int:
     return self.expert_mlp_dim or model_mlp_dim
@@ -150,6 +153,9 @@ class ModelConfig:
   # collective_matmul.py): with sequence parallelism, the all-gather before gate/up and the
   # reduce-scatter after down become N - 1 ppermute steps that overlap the matmul chunks.
   collective_matmul: bool = False
+  # Qwen3's QK-norm: q and k each through an RMSNorm over the head dim (one scale of head_dim
+  # shared by the heads) after their projection, before RoPE.
+  qk_norm: bool = False
 
   def __post_init__(self):
     if isinstance(self.moe, dict):  # from dataclasses.asdict (e.g. a config sent to a subprocess)
@@ -188,12 +194,16 @@ class ModelConfig:
   # ---- parameter counts (the formulas the tests check against the built model) ----
 
   def layer_params(self) -> int:
-    """One dense layer: attention, the SwiGLU MLP and two norm scales."""
-    return self._attention_params() + 3 * self.embed_dim * self.mlp_dim + 2 * self.embed_dim
+    """One dense layer: attention, the SwiGLU MLP and the norm scales."""
+    return self._attention_params() + 3 * self.embed_dim * self.mlp_dim + self._norm_params()
 
   def _attention_params(self) -> int:
     d, h, k, dh = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
     return d * h * dh + 2 * d * k * dh + h * dh * d  # q, k, v, o
+
+  def _norm_params(self) -> int:
+    """A layer's norm scales: before attention and the MLP, and Qwen3's QK-norm (q and k)."""
+    return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
 
   def dense_layers(self) -> int:
     return self.num_layers if self.moe is None else self.moe.first_dense_layers
@@ -208,7 +218,7 @@ class ModelConfig:
     experts = m.num_experts if experts is None else experts
     router = d * m.num_experts + (m.num_experts if m.bias_update_rate > 0 else 0)
     shared = 3 * d * f * m.num_shared_experts
-    return self._attention_params() + router + shared + experts * 3 * d * f + 2 * d
+    return self._attention_params() + router + shared + experts * 3 * d * f + self._norm_params()
 
   def embedding_params(self) -> int:
     return self.vocab_size * self.embed_dim
@@ -235,11 +245,11 @@ class ModelConfig:
     Attention: QK^T and AV are 2 x 2 x L x H x Dh x seq FLOPs forward per token without masking;
     the causal mask halves it, and backward doubles forward twice (x3 total): 6 x L x H x Dh x seq.
     """
-    matmul = self.dense_layers() * (self.layer_params() - 2 * self.embed_dim)
+    matmul = self.dense_layers() * (self.layer_params() - self._norm_params())
     if self.moe is not None:
       bias = self.moe.num_experts if self.moe.bias_update_rate > 0 else 0
       active = self.moe_layer_params(self.moe.experts_per_token)
-      matmul += self.moe_layers() * (active - 2 * self.embed_dim - bias)
+      matmul += self.moe_layers() * (active - self._norm_params() - bias)
     matmul += self.vocab_size * self.embed_dim
     attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
     return 6.0 * matmul + attention

@@ -175,7 +175,7 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
   """
   tensors = _Tensors(model_dir)
   _, abstract = abstract_model(cfg)
-  rows = hf_mapping.entries(abstract)
+  rows = hf_mapping.entries(abstract, cfg)
   expected = {}
   for entry in rows:
     leaf = _get(abstract, entry.path)
@@ -217,7 +217,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
   memory holds one file's worth. Parameters must be addressable by this process.
   """
   from safetensors.numpy import save_file
-  hf_mapping.config_to_hf(cfg)  # refuses a MoE that Mixtral's format cannot hold, before writing
+  hf_mapping.config_to_hf(cfg)  # refuses a MoE no HF format here holds, before writing
   os.makedirs(out_dir, exist_ok=True)
   if any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(out_dir)):
     raise ValueError(f"{out_dir} already holds safetensors files; export into an empty directory")
@@ -230,7 +230,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
     parts.append((path, list(pending)))
     pending, size = {}, 0
 
-  for entry in hf_mapping.entries(params):
+  for entry in hf_mapping.entries(params, cfg):
     array = _get(params, entry.path)
     if not array.is_fully_addressable:
       raise ValueError("export needs every parameter addressable by one process; run the"

@@ -8,7 +8,8 @@ import numpy as np
 from models.config import ModelConfig, MoEConfig
 
 # HF class name -> the meshtron architecture it maps to.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Tensors some HF checkpoints carry that hold no parameter (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -122,6 +123,9 @@ LLAMA = (
     Entry(("layers", "attn", "k", "w"), _LAYER + "self_attn.k_proj.weight", HEADS_IN),
     Entry(("layers", "attn", "v", "w"), _LAYER + "self_attn.v_proj.weight", HEADS_IN),
     Entry(("layers", "attn", "o", "w"), _LAYER + "self_attn.o_proj.weight", HEADS_OUT),
+    # Qwen3's QK-norm scales (only in models with model.qk_norm).
+    Entry(("layers", "attn", "q_norm", "scale"), _LAYER + "self_attn.q_norm.weight", SAME),
+    Entry(("layers", "attn", "k_norm", "scale"), _LAYER + "self_attn.k_norm.weight", SAME),
     Entry(("layers", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", SAME),
     Entry(("layers", "mlp", "gate", "w"), _LAYER + "mlp.gate_proj.weight", TRANSPOSED),
     Entry(("layers", "mlp", "up", "w"), _LAYER + "mlp.up_proj.weight", TRANSPOSED),
@@ -130,22 +134,27 @@ LLAMA = (
 # Mixtral: every layer is a MoE block (our `moe_layers` stack) with the same attention and norms;
 # on disk (transformers 5 still saves this per-expert format) each layer has a router and, per
 # expert, w1 (gate) and w3 (up) [F, D] and w2 (down) [D, F]: one HF tensor per (layer, expert).
-_MOE = _LAYER + "block_sparse_moe."
-MIXTRAL = tuple(
-    dataclasses.replace(e, path=("moe_layers",) + e.path[1:]) for e in LLAMA
-    if e.path[0] == "layers" and e.path[1] != "mlp") + tuple(
-    e for e in LLAMA if e.path[0] != "layers") + (
-    Entry(("moe_layers", "moe", "router", "w"), _MOE + "gate.weight", TRANSPOSED),
-    Entry(("moe_layers", "moe", "experts", "gate", "w"), _MOE + "experts.{expert_id}.w1.weight",
-          TRANSPOSED),
-    Entry(("moe_layers", "moe", "experts", "up", "w"), _MOE + "experts.{expert_id}.w3.weight",
-          TRANSPOSED),
-    Entry(("moe_layers", "moe", "experts", "down", "w"), _MOE + "experts.{expert_id}.w2.weight",
-          TRANSPOSED),
-)
+def _moe_table(block: str, gate: str, up: str, down: str) -> tuple[Entry, ...]:
+  """Every layer a MoE block (`moe_layers`) with Llama's attention and norms; `block` holds the
+  router `gate.weight` and, per expert, the gate/up [F, D] and down [D, F] weights."""
+  prefix = _LAYER + block
+  experts = (("gate", gate), ("up", up), ("down", down))
+  return tuple(
+      dataclasses.replace(e, path=("moe_layers",) + e.path[1:]) for e in LLAMA
+      if e.path[0] == "layers" and e.path[1] != "mlp") + tuple(
+      e for e in LLAMA if e.path[0] != "layers") + (
+      Entry(("moe_layers", "moe", "router", "w"), prefix + "gate.weight", TRANSPOSED),) + tuple(
+      Entry(("moe_layers", "moe", "experts", ours, "w"),
+            prefix + "experts.{expert_id}." + theirs + ".weight", TRANSPOSED)
+      for ours, theirs in experts)
 
 
-def entries(params: dict) -> list[Entry]:
+MIXTRAL = _moe_table("block_sparse_moe.", "w1", "w3", "w2")
+# Qwen3-MoE: the same with QK-norm (in LLAMA's rows), Llama's projection names per expert.
+QWEN3_MOE = _moe_table("mlp.", "gate_proj", "up_proj", "down_proj")
+
+
+def entries(params: dict, cfg: ModelConfig) -> list[Entry]:
   """The table rows whose parameter exists in `params` (a pure dict; no head when tied)."""
   def has(path):
     node = params
@@ -154,7 +163,8 @@ def entries(params: dict) -> list[Entry]:
         return False
       node = node[key]
     return True
-  return [e for e in (MIXTRAL if "moe_layers" in params else LLAMA) if has(e.path)]
+  table = LLAMA if cfg.moe is None else QWEN3_MOE if cfg.qk_norm else MIXTRAL
+  return [e for e in table if has(e.path)]
 
 
 # ---- config.json <-> ModelConfig ----
@@ -184,7 +194,21 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     if hf.get(key) not in (None, want):
       raise ValueError(f"{key}={hf[key]!r} is not supported (only {want!r})")
   heads = hf["num_attention_heads"]
+  if hf.get("use_sliding_window"):
+    raise ValueError(f"use_sliding_window=true (window {hf.get('sliding_window')}) is not"
+                     " supported (only full attention)")
   moe = None
+  if ARCHITECTURES[arch] == "qwen3_moe":
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+      raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not"
+                       " supported (only every layer a MoE)")
+    # Softmax over the experts, top-k, renormalized when norm_topk_prob; no shared expert.
+    moe = MoEConfig(num_experts=hf.get("num_local_experts") or hf["num_experts"],
+                    experts_per_token=hf["num_experts_per_tok"],
+                    expert_mlp_dim=hf["moe_intermediate_size"], router="softmax",
+                    normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+                    load_balance_loss=float(hf.get("router_aux_loss_coef", 0.001)),
+                    router_z_loss=0.0, dispatch="dropless")
   if ARCHITECTURES[arch] == "mixtral":
     if hf.get("sliding_window"):
       raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (only none)")
@@ -199,21 +223,23 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype=dtype, dtype=dtype, moe=moe,
-      **_rope(hf))
+      qk_norm=ARCHITECTURES[arch] in ("qwen3", "qwen3_moe"), **_rope(hf))
   cfg.validate()
   return cfg
 
 
 def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
-  """A HF LlamaForCausalLM (or, with a MoE, MixtralForCausalLM) config.json dict; `base` (e.g.
-  the imported config) keeps its other fields (token ids, max_position_embeddings)."""
+  """A HF config.json dict: LlamaForCausalLM, Qwen3ForCausalLM (QK-norm), MixtralForCausalLM
+  (MoE) or Qwen3MoeForCausalLM (MoE with QK-norm); `base` (e.g. the imported config) keeps its
+  other fields (token ids, max_position_embeddings)."""
   moe = cfg.moe
   if moe is not None and (moe.router != "softmax" or moe.num_shared_experts
                           or moe.first_dense_layers or moe.bias_update_rate
-                          or moe.routed_scaling != 1.0 or moe.mlp_dim(cfg.mlp_dim) != cfg.mlp_dim):
-    raise ValueError("only Mixtral-style MoEs export to Hugging Face: softmax router, no shared"
-                     " experts or dense layers, no routing bias or scaling, expert width ="
-                     " model.mlp_dim")
+                          or moe.routed_scaling != 1.0 or not cfg.qk_norm and (
+                              moe.mlp_dim(cfg.mlp_dim) != cfg.mlp_dim or not moe.normalize_top_k)):
+    raise ValueError("only Mixtral- and Qwen3-MoE-style MoEs export to Hugging Face: softmax"
+                     " router, no shared experts or dense layers, no routing bias or scaling"
+                     " (Mixtral: expert width = model.mlp_dim, top-k weights renormalized)")
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if cfg.rope_scaling_factor != 1.0:
     rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor,
@@ -235,7 +261,19 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
       head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False, mlp_bias=False,
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
-  if moe is not None:
+  if cfg.qk_norm:  # Qwen3: Llama's fields, QK-norm, full attention in every layer
+    out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
+               sliding_window=None, max_window_layers=cfg.num_layers,
+               layer_types=["full_attention"] * cfg.num_layers)
+    out.pop("mlp_bias", None)
+  if moe is not None and cfg.qk_norm:
+    out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+               num_local_experts=moe.num_experts, num_experts=moe.num_experts,
+               num_experts_per_tok=moe.experts_per_token,
+               moe_intermediate_size=moe.mlp_dim(cfg.mlp_dim), norm_topk_prob=moe.normalize_top_k,
+               decoder_sparse_step=1, mlp_only_layers=[],
+               router_aux_loss_coef=moe.load_balance_loss)
+  elif moe is not None:
     out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                num_local_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
                router_aux_loss_coef=moe.load_balance_loss, sliding_window=None)

@@ -58,6 +58,7 @@ class Router(nnx.Module):
     self.bias = logical_param(jnp.zeros((m.num_experts,), jnp.float32), (EXPERT_BIAS,)) \
         if m.bias_update_rate > 0 else None
     self.kind, self.k, self.scaling = m.router, m.experts_per_token, m.routed_scaling
+    self.normalize = m.normalize_top_k
 
   def __call__(self, x_BLD: jax.Array):
     """Returns (ids [B, L, k] int32, weights [B, L, k] float32, stats of this layer)."""
@@ -77,7 +78,7 @@ class Router(nnx.Module):
     # the lower index).
     ids = jnp.argsort(-select, axis=-1, stable=True)[..., :self.k]
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if self.kind == "sigmoid" or self.k > 1:
+    if self.normalize and (self.kind == "sigmoid" or self.k > 1):
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights * self.scaling
     load_BE = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=2)

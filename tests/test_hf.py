@@ -205,7 +205,7 @@ def test_bad_input_is_one_line(tmp_path):
   with pytest.raises(ValueError, match="missing 1 tensor.*model.layers.1.mlp.up_proj.weight"):
     hf.from_pretrained(str(missing))
   # A MoE Mixtral's format cannot hold (DeepSeek-style shared experts, sigmoid router, bias).
-  with pytest.raises(ValueError, match="only Mixtral-style MoEs export"):
+  with pytest.raises(ValueError, match="only Mixtral- and Qwen3-MoE-style MoEs export"):
     hf.save_params({}, moe_configs.model("deepseek_v3_like"), str(tmp_path / "out"))
   assert not (tmp_path / "out").exists()
 

@@ -20,14 +20,20 @@ def parse_tokens(text: str) -> int:
   return int(number) * scale
 
 
+def _preset_module(name: str):
+  """The configs module whose `large(name)` builds trainer preset `name`, or None."""
+  from configs import llama, moe
+  return next((m for m in (llama, moe) if name in m.MODELS), None)
+
+
 def model_by_name(name: str):
-  """A configs preset (read by duck typing) or one of the estimator's own models."""
-  from configs import llama
-  if name in llama.MODELS:
-    return estimate.model_spec(llama.MODELS[name])
+  """A configs preset (dense or MoE, read by duck typing) or one of the estimator's own models."""
+  if module := _preset_module(name):
+    return estimate.model_spec(module.MODELS[name])
   if name in estimate.ESTIMATOR_MODELS:
     return estimate.ESTIMATOR_MODELS[name]
-  names = sorted(set(llama.MODELS) | set(estimate.ESTIMATOR_MODELS))
+  from configs import llama, moe
+  names = sorted(set(llama.MODELS) | set(moe.MODELS) | set(estimate.ESTIMATOR_MODELS))
   raise ValueError(f"unknown model {name!r}; models: {', '.join(names)}")
 
 
@@ -129,12 +135,11 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
   if compile_top < 0:
     raise ValueError(f"--compile_top={compile_top} must be 0 (analytic only) or a count of layouts")
   if compile_top:
-    from configs import llama
     from trainer import compile_top as compiling
     compiling.gpu_target(hw.name, gpus)  # a target exists: refused before planning
-    if model not in llama.MODELS:
+    if _preset_module(model) is None:
       raise ValueError(f"--compile_top compiles trainer presets; {model} is the estimator's"
-                       f" own model (use one of {', '.join(sorted(llama.MODELS))})")
+                       " own model (use a preset: `meshtron compile --help` lists them)")
   result = planner.plan(spec, gpus, seq, tokens, chosen, hw)
   best = result.ranked[:top_k]
   if not as_json:
@@ -174,8 +179,7 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
 
 def train_config(model: str, layout: sharding.layout.Layout, seq: int):
   """The TrainConfig of a preset under a planned layout: what write_config's file builds."""
-  from configs import llama
-  cfg = llama.large(model)
+  cfg = _preset_module(model).large(model)
   cfg.mesh = layout.mesh_config()
   cfg.seq_len, cfg.batch_size, cfg.microbatches = seq, layout.global_batch, layout.microbatches
   cfg.model = dataclasses.replace(cfg.model, remat=layout.remat)
@@ -184,20 +188,20 @@ def train_config(model: str, layout: sharding.layout.Layout, seq: int):
 
 def write_config(path: str, model: str, layout: sharding.layout.Layout, seq: int) -> bool:
   """A config file for `meshtron train` with the layout's mesh, batch and remat."""
-  from configs import llama
-  if model not in llama.MODELS:
+  module = _preset_module(model)
+  if module is None:
     print(f"note: {model} is not a trainer preset yet; no config written", file=sys.stderr)
     return False
   mesh = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(layout.mesh_config()).items()
                    if k not in ("dcn", "allow_tensor_across_hosts"))
   text = f'''"""{model} with the layout chosen by `meshtron plan`: {layout.string()}."""
 
-from configs import llama
+from configs import {module.__name__.split(".")[-1]}
 from sharding.mesh import MeshConfig
 
 
 def get_config():
-  cfg = llama.large({model!r})
+  cfg = {module.__name__.split(".")[-1]}.large({model!r})
   cfg.mesh = MeshConfig({mesh})
   cfg.seq_len = {seq}
   cfg.batch_size = {layout.global_batch}  # sequences per step: mbs x ga x data x fsdp x expert

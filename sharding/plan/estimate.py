@@ -41,6 +41,7 @@ class ModelSpec:
   moe: MoESpec | None = None
   # Fused attention (cuDNN, Pallas flash) keeps no score matrices; "xla" stores them.
   flash_attention: bool = False
+  qk_norm: bool = False  # Qwen3: two more norm scales of head_dim per layer
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -59,8 +60,8 @@ class ModelSpec:
     return m.shared_experts * 3 * d * m.expert_mlp_dim + d * m.num_experts
 
   def layer_params(self) -> int:
-    return self.attention_params() + self.dense_mlp_params() + self.expert_params() + \
-        2 * self.embed_dim
+    norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+    return self.attention_params() + self.dense_mlp_params() + self.expert_params() + norms
 
   def num_params(self) -> int:
     tables = 1 if self.tie_embeddings else 2
@@ -111,7 +112,7 @@ def model_spec(model) -> ModelSpec:
   flash = getattr(model, "attention_impl", "xla") in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
-                   flash)
+                   flash, getattr(model, "qk_norm", False))
 
 
 @dataclasses.dataclass(frozen=True)
