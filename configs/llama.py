@@ -1,4 +1,4 @@
-"""Presets of the Llama architecture (Llama, the playbook's models, Qwen3 dense): real model sizes
+"""Presets of the Llama architecture (Llama, the playbook's models, Mistral, Qwen3 dense): real sizes
 (for planning and compiling) and tiny ones that train on CPU."""
 
 import copy
@@ -42,6 +42,10 @@ MODELS = {
                                mlp_dim=14_336, **_PLAYBOOK),
     "playbook_80b": ModelConfig(embed_dim=8192, num_layers=80, num_heads=64, num_kv_heads=64,
                                 mlp_dim=28_672, **_PLAYBOOK),
+    # Mistral 7B v0.1 (config.json of mistralai/Mistral-7B-v0.1): a 4096-token window everywhere.
+    "mistral_7b": ModelConfig(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32,
+                              num_kv_heads=8, head_dim=128, mlp_dim=14_336, rope_theta=10_000.0,
+                              norm_eps=1e-5, sliding_window=4096, dtype="bfloat16"),
     "qwen3_8b": ModelConfig(embed_dim=4096, num_layers=36, num_heads=32, mlp_dim=12_288, **_QWEN3),
     "qwen3_32b": ModelConfig(embed_dim=5120, num_layers=64, num_heads=64, mlp_dim=25_600,
                              **_QWEN3),

@@ -18,7 +18,8 @@ def resolve(impl: str, platform: str) -> str:
   return AUTO.get(platform, "xla") if impl == "auto" else impl
 
 
-def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xla"):
+def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xla",
+              window: int = 0):
   """Causal/packed grouped-query attention.
 
   Args:
@@ -28,19 +29,24 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
     impl: "auto" (resolve(impl, JAX's default backend)), "xla" (the plain-jnp reference), "dot_product" (`jax.nn.dot_product_attention`, XLA
       lowering), "cudnn" (the same call with the cuDNN fused kernel; GPU only) or
       "pallas_flash" (`kernels.flash_attention`: Triton on GPUs, the Pallas interpreter on CPU).
+    window: > 0: sliding-window attention over the last `window` keys (not with pallas_flash
+      yet; ModelConfig.validate refuses it).
   Returns:
     [B, L, H, d] attention output.
   """
   impl = resolve(impl, jax.default_backend())
   if impl == "xla":
-    return reference.attention(q, k, v, segment_ids, causal=causal)
+    return reference.attention(q, k, v, segment_ids, causal=causal, window=window)
   if impl in ("dot_product", "cudnn"):
     mask = None
     if segment_ids is not None:
       mask = reference.attention_mask(q.shape[1], segment_ids, causal=False)
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=causal,
+        local_window_size=(window - 1, 0) if window else None,
         implementation="xla" if impl == "dot_product" else "cudnn")
+  if window:
+    raise ValueError("sliding-window attention does not run in the pallas_flash kernel yet")
   if impl == "pallas_flash":
     return flash_attention(q, k, v, segment_ids, causal=causal)
   raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")

@@ -8,24 +8,30 @@ import jax.numpy as jnp
 # d head dim (Dh).
 
 
-def attention_mask(length: int, segment_ids, causal: bool):
-  """[B or 1, 1, L, S] boolean mask: causal by index, and same document when segment ids given."""
+def attention_mask(length: int, segment_ids, causal: bool, window: int = 0):
+  """[B or 1, 1, L, S] boolean mask: causal by index, and same document when segment ids given;
+  with `window` > 0 (sliding-window attention, Mistral's), only the last `window` keys up to the
+  query (query index - key index < window)."""
   mask = jnp.ones((1, 1, length, length), dtype=bool)
   if causal:
     mask = jnp.tril(mask)
+  if window:
+    index = jnp.arange(length)
+    mask = mask & (index[:, None] - index[None, :] < window)[None, None]
   if segment_ids is not None:
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     mask = mask & same
   return mask
 
 
-def attention(q, k, v, segment_ids=None, *, causal: bool = True):
+def attention(q, k, v, segment_ids=None, *, causal: bool = True, window: int = 0):
   """Softmax attention in float32 without repeating K/V for grouped-query attention.
 
   Args:
     q: [B, L, H, d] queries; k, v: [B, L, K, d] keys and values, H a multiple of K.
     segment_ids: optional [B, L] int document ids; tokens attend only within their document.
     causal: mask future positions.
+    window: > 0: each query sees only the last `window` keys (itself included).
   Returns:
     [B, L, H, d] in q's dtype.
   """
@@ -34,7 +40,7 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True):
   q = q.reshape(b, length, kv_heads, h // kv_heads, d)
   scores = jnp.einsum("BLKGd,BSKd->BKGLS", q, k, preferred_element_type=jnp.float32)
   scores = scores * (d ** -0.5)
-  mask = attention_mask(length, segment_ids, causal)[:, :, None]  # [B, 1, 1, L, S]
+  mask = attention_mask(length, segment_ids, causal, window)[:, :, None]  # [B, 1, 1, L, S]
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("BKGLS,BSKd->BLKGd", probs.astype(v.dtype), v,

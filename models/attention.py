@@ -46,11 +46,13 @@ class Attention(nnx.Module):
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.impl = cfg.attention_impl
     self.context_impl = cfg.context_impl
+    self.window = cfg.sliding_window
 
   def resolved_impl(self) -> str:
-    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU and
-    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet)."""
-    if self.impl == "auto" and in_manual_region():
+    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU,
+    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet) and with a
+    sliding window (the flash kernel has none yet)."""
+    if self.impl == "auto" and (in_manual_region() or self.window):
       return "xla"
     return resolve_impl(self.impl, platform())
 
@@ -71,6 +73,7 @@ class Attention(nnx.Module):
     elif (impl := self.resolved_impl()) == "pallas_flash":
       out = _flash_per_device(q, k, v, segment_ids_BL)
     else:
-      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl)
+      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl,
+                              window=self.window)
     out = constrain(out, Q_NAMES)
     return self.o("BLHd,HdD->BLD", out)

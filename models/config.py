@@ -156,6 +156,9 @@ class ModelConfig:
   # Qwen3's QK-norm: q and k each through an RMSNorm over the head dim (one scale of head_dim
   # shared by the heads) after their projection, before RoPE.
   qk_norm: bool = False
+  # Sliding-window attention in every layer (Mistral): each token attends to the last
+  # `sliding_window` tokens, itself included; 0: full causal attention.
+  sliding_window: int = 0
 
   def __post_init__(self):
     if isinstance(self.moe, dict):  # from dataclasses.asdict (e.g. a config sent to a subprocess)
@@ -181,6 +184,12 @@ class ModelConfig:
                           ("dtype", DTYPES), ("param_dtype", DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {allowed}")
+    if self.sliding_window < 0:
+      raise ValueError(f"model.sliding_window must be >= 0 (0: full attention), got"
+                       f" {self.sliding_window}")
+    if self.sliding_window and self.attention_impl == "pallas_flash":
+      raise ValueError("model.sliding_window does not run in the pallas_flash kernel yet; use"
+                       " attention_impl=auto (the reference with a window) or xla")
     if self.moe is not None:
       self.moe.validate(self.num_layers)
     self.fp8.validate()

@@ -9,7 +9,8 @@ from models.config import ModelConfig, MoEConfig
 
 # HF class name -> the meshtron architecture it maps to.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
-                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "MistralForCausalLM": "mistral"}
 # Tensors some HF checkpoints carry that hold no parameter (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -209,9 +210,9 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
                     normalize_top_k=bool(hf.get("norm_topk_prob", True)),
                     load_balance_loss=float(hf.get("router_aux_loss_coef", 0.001)),
                     router_z_loss=0.0, dispatch="dropless")
+  # Mistral and Mixtral: a sliding window in every layer when config.json sets one.
+  window = hf.get("sliding_window") if ARCHITECTURES[arch] in ("mistral", "mixtral") else None
   if ARCHITECTURES[arch] == "mixtral":
-    if hf.get("sliding_window"):
-      raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (only none)")
     # Mixtral routes by softmax over the experts, top-k, the k weights renormalized: our
     # "softmax" router. No z-loss; the HF balance-loss weight is kept. Dropless: nothing dropped.
     moe = MoEConfig(num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
@@ -223,7 +224,8 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype=dtype, dtype=dtype, moe=moe,
-      qk_norm=ARCHITECTURES[arch] in ("qwen3", "qwen3_moe"), **_rope(hf))
+      qk_norm=ARCHITECTURES[arch] in ("qwen3", "qwen3_moe"), sliding_window=int(window or 0),
+      **_rope(hf))
   cfg.validate()
   return cfg
 
@@ -261,6 +263,12 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
       head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False, mlp_bias=False,
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
+  if cfg.sliding_window and cfg.qk_norm:
+    raise ValueError("a Qwen3 model with model.sliding_window does not export to Hugging Face"
+                     " yet (Mistral and Mixtral hold a window in every layer)")
+  if cfg.sliding_window and moe is None:  # Mistral: Llama's fields and the window
+    out.update(architectures=["MistralForCausalLM"], model_type="mistral",
+               sliding_window=cfg.sliding_window)
   if cfg.qk_norm:  # Qwen3: Llama's fields, QK-norm, full attention in every layer
     out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
                sliding_window=None, max_window_layers=cfg.num_layers,
@@ -276,7 +284,8 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
   elif moe is not None:
     out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                num_local_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
-               router_aux_loss_coef=moe.load_balance_loss, sliding_window=None)
+               router_aux_loss_coef=moe.load_balance_loss,
+               sliding_window=cfg.sliding_window or None)
     for key in ("mlp_bias", "attention_bias"):
       out.pop(key, None)
   return out

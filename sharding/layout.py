@@ -219,6 +219,9 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
     layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
+  if getattr(model, "sliding_window", 0) and layout.context > 1:
+    raise LayoutError("model.sliding_window does not run with context parallelism yet (ring and"
+                      " all-gather attention attend to every earlier key); use context=1")
   if getattr(model, "collective_matmul", False) and layout.tensor > 1 \
       and not layout.sequence_parallel:
     raise LayoutError("model.collective_matmul decomposes sequence parallelism's all-gather and"
