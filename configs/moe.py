@@ -30,16 +30,17 @@ MODELS = {
                       load_balance_loss=0.02, router_z_loss=0.0, dispatch="dropless")),
     # DeepSeek-V3's MoE (arXiv:2412.19437) on GQA attention: 61 layers, 3 dense (MLP 18432),
     # 256 routed experts of 2048 top-8 + 1 shared, sigmoid router with normalized top-k weights
-    # x 2.5, aux-loss-free bias (rate 0.001) and a tiny balance loss (0.0001). Not modelled:
-    # MLA (here 128 query heads, 8 KV heads of 128), node-limited / group-limited routing
-    # (top-4 of 8 expert groups), the multi-token-prediction module, YaRN RoPE, fp8 training.
+    # x 2.5, aux-loss-free bias (rate 0.001), a tiny balance loss (0.0001) and group-limited
+    # routing (the experts' top-8 from the best 4 of 8 groups). Not modelled: MLA (here 128
+    # query heads, 8 KV heads of 128), the multi-token-prediction module, YaRN RoPE, fp8.
     "deepseek_v3_like": ModelConfig(
         vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=8,
         head_dim=128, mlp_dim=18_432, rope_theta=10_000.0, norm_eps=1e-6, dtype="bfloat16",
         moe=MoEConfig(num_experts=256, experts_per_token=8, expert_mlp_dim=2048,
                       num_shared_experts=1, first_dense_layers=3, router="sigmoid",
                       load_balance_loss=0.0001, router_z_loss=0.0, bias_update_rate=0.001,
-                      routed_scaling=2.5, dispatch="dropless")),
+                      routed_scaling=2.5, expert_groups=8, groups_per_token=4,
+                      dispatch="dropless")),
     # Qwen3-MoE (config.json of Qwen/Qwen3-30B-A3B and -235B-A22B): QK-norm, every layer a MoE of
     # 128 experts top-8 (softmax, norm_topk_prob), no shared expert, balance loss 0.001.
     "qwen3_30b_a3b": ModelConfig(

@@ -85,6 +85,11 @@ class MoEConfig:
   # The top-k weights renormalized to sum 1 (Mixtral, DeepSeek-V3; Qwen3-MoE's norm_topk_prob);
   # False: the router's own probabilities of the chosen experts.
   normalize_top_k: bool = True
+  # Group-limited routing (DeepSeek-V3: 8 groups, 4 per token): the experts form `expert_groups`
+  # equal groups, each token keeps the `groups_per_token` groups whose two best selection scores
+  # sum highest, and picks its top-k among their experts only. 1 group: no limit.
+  expert_groups: int = 1
+  groups_per_token: int = 1
 
   def mlp_dim(self, model_mlp_dim: int) -> int:
     return self.expert_mlp_dim or model_mlp_dim
@@ -104,6 +109,16 @@ class MoEConfig:
     if self.first_dense_layers >= num_layers:
       raise ValueError(f"model.moe.first_dense_layers={self.first_dense_layers} leaves no MoE"
                        f" layer of model.num_layers={num_layers}")
+    if self.expert_groups < 1 or self.num_experts % self.expert_groups:
+      raise ValueError(f"model.moe.expert_groups={self.expert_groups} must divide"
+                       f" model.moe.num_experts={self.num_experts}")
+    if self.expert_groups > 1:
+      per_group = self.num_experts // self.expert_groups
+      if not 1 <= self.groups_per_token <= self.expert_groups or \
+          self.groups_per_token * per_group < self.experts_per_token or per_group < 2:
+        raise ValueError(f"model.moe.groups_per_token={self.groups_per_token} must be 1 to"
+                         f" expert_groups={self.expert_groups}, keep at least experts_per_token="
+                         f"{self.experts_per_token} experts, and groups need 2 experts each")
     for name, allowed in (("router", ROUTERS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.moe.{name}={getattr(self, name)!r} is not one of {allowed}")

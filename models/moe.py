@@ -46,6 +46,17 @@ def summarize(per_layer: dict, num_layers: int) -> dict:
           "dropped": jnp.sum(per_layer["dropped"]), "load": per_layer["load"]}
 
 
+def limit_to_groups(select_BLE: jax.Array, groups: int, keep: int) -> jax.Array:
+  """DeepSeek-V3's group-limited routing: the selection scores with every expert outside the
+  token's `keep` best groups (a group's score: the sum of its two best experts') set to -inf."""
+  *lead, num_experts = select_BLE.shape
+  grouped = select_BLE.reshape(*lead, groups, num_experts // groups)
+  best_two = -jnp.sort(-grouped, axis=-1)[..., :2]
+  order = jnp.argsort(-jnp.sum(best_two, axis=-1), axis=-1, stable=True)  # [..., groups]
+  kept = jnp.sum(jax.nn.one_hot(order[..., :keep], groups, dtype=jnp.int32), axis=-2) > 0
+  return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(select_BLE.shape)
+
+
 class Router(nnx.Module):
   """Scores [B, L, E] in float32, top-k choices and their mixing weights, and the aux stats."""
 
@@ -59,6 +70,7 @@ class Router(nnx.Module):
         if m.bias_update_rate > 0 else None
     self.kind, self.k, self.scaling = m.router, m.experts_per_token, m.routed_scaling
     self.normalize = m.normalize_top_k
+    self.groups, self.groups_per_token = m.expert_groups, m.groups_per_token
 
   def __call__(self, x_BLD: jax.Array):
     """Returns (ids [B, L, k] int32, weights [B, L, k] float32, stats of this layer)."""
@@ -76,6 +88,8 @@ class Router(nnx.Module):
     # The bias picks experts; the scores mix them. A stable sort, not lax.top_k: XLA's TopK
     # custom call does not partition, and would gather every token's scores (same ids, ties to
     # the lower index).
+    if self.groups > 1:
+      select = limit_to_groups(select, self.groups, self.groups_per_token)
     ids = jnp.argsort(-select, axis=-1, stable=True)[..., :self.k]
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if self.normalize and (self.kind == "sigmoid" or self.k > 1):

@@ -16,7 +16,7 @@ import sharding
 from configs import moe as moe_configs
 from models import ModelConfig, abstract_model, param_names
 from models.config import MoEConfig
-from models.moe import MoE, Router, capacity, dispatch_masks, update_bias
+from models.moe import MoE, Router, capacity, dispatch_masks, limit_to_groups, update_bias
 from sharding.plan.estimate import model_spec
 from trainer.config import OptimConfig, StepConfig
 from trainer.optim import frozen_mask, make_optimizer
@@ -235,3 +235,41 @@ def test_cli_overrides_reach_a_preset_moe():
                        text=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                        timeout=120)
   assert out.stdout.split() == ["4", "sigmoid", "2.0"], out.stderr[-1000:]
+
+
+def test_group_limited_routing_picks_only_from_the_best_groups():
+  """DeepSeek-V3's routing (8 groups of 4 experts here, 2 kept per token, top-4): per token, the
+  groups ranked by the sum of their two best scores; the chosen experts are the top-4 of the kept
+  groups' experts, checked token by token in numpy; without the limit other experts win."""
+  cfg = dataclasses.replace(
+      moe_configs.model("debug_moe"),
+      moe=MoEConfig(num_experts=32, experts_per_token=4, router="sigmoid", expert_groups=8,
+                    groups_per_token=2))
+  cfg.validate()
+  router = Router(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 16, cfg.embed_dim))
+  ids, _, _ = router(x)
+  scores = np.asarray(jax.nn.sigmoid(jnp.einsum("BLD,DE->BLE", x, router.w[...])))
+  ungrouped = np.argsort(-scores, axis=-1, kind="stable")[..., :4]
+  differs = 0
+  for b in range(2):
+    for t in range(16):
+      s = scores[b, t].reshape(8, 4)
+      group_score = np.sort(s, axis=-1)[:, -2:].sum(-1)
+      kept = np.argsort(-group_score, kind="stable")[:2]
+      allowed = np.full(32, -np.inf)
+      for g in kept:
+        allowed[g * 4:(g + 1) * 4] = scores[b, t, g * 4:(g + 1) * 4]
+      want = np.argsort(-allowed, kind="stable")[:4]
+      np.testing.assert_array_equal(np.asarray(ids[b, t]), want)
+      assert len({int(i) // 4 for i in want}) <= 2
+      differs += set(want) != set(ungrouped[b, t])
+  assert differs > 0
+  np.testing.assert_array_equal(limit_to_groups(jnp.asarray(scores), 1, 1), scores)
+
+
+def test_group_limits_that_cannot_hold_the_top_k_are_refused():
+  with pytest.raises(ValueError, match="must divide"):
+    MoEConfig(num_experts=10, expert_groups=4).validate(4)
+  with pytest.raises(ValueError, match="keep at least experts_per_token"):
+    MoEConfig(num_experts=16, experts_per_token=8, expert_groups=8, groups_per_token=2).validate(4)
