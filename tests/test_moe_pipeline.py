@@ -80,6 +80,7 @@ def test_moe_metrics_leave_out_padding_rows():
     np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_padded_moe_checkpoint_resumes_unpipelined_and_exports_to_hf(tmp_path):
   """A Mixtral-style model (3 MoE layers) on pipeline=2 x expert=2 (its stack 2+1, stored as 2 x 2
   rows) saved at step 2: restored under data=8 it holds the model's own 3 rows, equal to the

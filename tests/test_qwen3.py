@@ -133,6 +133,7 @@ def test_qwen3_moe_import_export_parity(tmp_path, norm_topk_prob):
   np.testing.assert_array_equal(hf_logits(reloaded), expected)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_trains_like_one_device_under_expert_and_fsdp():
   """expert=4 x fsdp=2, dropless, the raw top-k weights (norm_topk_prob false): the QK-norm and
   the router train like one device at the tolerances of tests/test_parallel.py."""
