@@ -18,12 +18,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 @dataclasses.dataclass(frozen=True)
 class MoESpec:
-  """Mixture-of-experts MLP: every layer's MLP is `num_experts` SwiGLU experts, top-k routed."""
+  """Mixture-of-experts MLP: each layer's MLP is `num_experts` SwiGLU experts, top-k routed,
+  after `dense_layers` leading layers that keep the dense MLP (DeepSeek-V3: 3)."""
 
   num_experts: int
   experts_per_token: int
   expert_mlp_dim: int
   shared_experts: int = 0  # always-active experts of the same size (DeepSeek style)
+  dense_layers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +49,25 @@ class ModelSpec:
     d, dh = self.embed_dim, self.head_dim
     return 2 * d * self.num_heads * dh + 2 * d * self.num_kv_heads * dh  # q, o + k, v
 
-  def expert_params(self) -> int:
-    """All routed experts of one layer (0 for a dense model)."""
-    m = self.moe
-    return m.num_experts * 3 * self.embed_dim * m.expert_mlp_dim if m else 0
+  def moe_share(self) -> float:
+    """The fraction of layers that are MoE layers (the per-layer figures below are means over
+    the layers, so totals come out exact and a stage's share is the mean's)."""
+    return (self.num_layers - self.moe.dense_layers) / self.num_layers
 
-  def dense_mlp_params(self) -> int:
-    """MLP weights every token uses: the dense SwiGLU, or shared experts + the router."""
+  def expert_params(self) -> float:
+    """All routed experts of a layer, on average over the layers (0 for a dense model)."""
+    m = self.moe
+    return m.num_experts * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() if m else 0
+
+  def dense_mlp_params(self) -> float:
+    """MLP weights every token uses, on average over the layers: the dense SwiGLU, or shared
+    experts + the router (and the leading dense layers' SwiGLU)."""
     m, d = self.moe, self.embed_dim
     if not m:
       return 3 * d * self.mlp_dim
-    return m.shared_experts * 3 * d * m.expert_mlp_dim + d * m.num_experts
+    share = self.moe_share()
+    return (m.shared_experts * 3 * d * m.expert_mlp_dim + d * m.num_experts) * share + \
+        3 * d * self.mlp_dim * (1 - share)
 
   def layer_params(self) -> int:
     norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
@@ -71,7 +81,8 @@ class ModelSpec:
   def active_matmul_params(self) -> int:
     """Matmul weights one token passes through (experts: top-k only), head included."""
     m = self.moe
-    routed = m.experts_per_token * 3 * self.embed_dim * m.expert_mlp_dim if m else 0
+    routed = m.experts_per_token * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() \
+        if m else 0
     per_layer = self.attention_params() + self.dense_mlp_params() + routed
     return self.num_layers * per_layer + self.vocab_size * self.embed_dim
 
@@ -95,9 +106,9 @@ ESTIMATOR_MODELS = {
 def model_spec(model) -> ModelSpec:
   """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`).
 
-  From models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width) and
-  shared experts. Not representable here (every layer is MoE): `first_dense_layers` (counted as
-  MoE layers) and the aux-loss-free routing bias (E parameters per layer, not counted).
+  From models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width), shared
+  experts and the leading dense layers (per-layer figures are means over the layers). Not
+  counted: the aux-loss-free routing bias (E parameters per MoE layer).
   """
   if isinstance(model, ModelSpec):
     return model
@@ -106,7 +117,8 @@ def model_spec(model) -> ModelSpec:
     shared = getattr(moe, "num_shared_experts", None)
     moe = MoESpec(moe.num_experts, getattr(moe, "experts_per_token", None) or moe.top_k,
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
-                  getattr(moe, "shared_experts", 0) if shared is None else shared)
+                  getattr(moe, "shared_experts", 0) if shared is None else shared,
+                  getattr(moe, "first_dense_layers", 0))
   # "auto" is a flash kernel on GPUs, and GPUs are what the estimator plans for (a CPU run's
   # host-memory check passes the impl resolved for its platform).
   flash = getattr(model, "attention_impl", "xla") in ("auto", "cudnn", "pallas_flash")
@@ -255,11 +267,11 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama") -
                            5 * m.num_heads * e / 2, m.embed_dim * e)
   if formula != "llama":
     raise ValueError(f"activation formula {formula!r} is not one of llama, playbook")
-  if m.moe:  # each token's top-k experts (+ shared), plus the router logits
-    ff = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
+  ff = 3 * m.mlp_dim
+  if m.moe:  # each token's top-k experts (+ shared), plus the router logits; mean over layers
+    routed = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
         m.moe.num_experts
-  else:
-    ff = 3 * m.mlp_dim
+    ff = routed * m.moe_share() + ff * (1 - m.moe_share())
   qkvo = 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
   return ActivationTerms(4 * m.embed_dim * e, (qkvo + ff) * e, scores, m.embed_dim * e)

@@ -244,7 +244,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     out.append(Collective(("pipeline",), "p2p", "pipeline", sent,
                           2 * ga * lay.virtual_stages, lay.pipeline))
   if lay.expert > 1 and m.moe:
-    routed = act * m.moe.experts_per_token
+    routed = act * m.moe.experts_per_token * m.moe_share()
     out.append(Collective(("expert",), "all-to-all", "expert", routed, 4 * layer_passes,
                           lay.expert))
   return out
