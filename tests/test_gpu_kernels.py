@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kernels
 from kernels import flash_attention, reference
 from models import ModelConfig
 from models.config import MoEConfig
@@ -62,13 +63,13 @@ def outputs_and_grads(attend, q, k, v, cotangent):
   return (attend(q, k, v), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
 
 
-def reference_outputs(q, k, v, segments, cotangent, causal):
+def reference_outputs(q, k, v, segments, cotangent, causal, window=0):
   """The reference forward and gradients in float32 at full matmul precision."""
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   with jax.default_matmul_precision("highest"):
     fn = jax.jit(lambda q, k, v: outputs_and_grads(
-        lambda q, k, v: reference.attention(q, k, v, segments, causal=causal), q, k, v,
-        cotangent))
+        lambda q, k, v: reference.attention(q, k, v, segments, causal=causal, window=window),
+        q, k, v, cotangent))
     return jax.device_get(fn(*upcast))
 
 
@@ -79,7 +80,7 @@ def check_against_reference(attend, case, gpu, record_property, name):
                                                 gpu.device)
   got = jax.jit(lambda q, k, v: outputs_and_grads(
       lambda q, k, v: attend(q, k, v, segments), q, k, v, cotangent))(q, k, v)
-  want = reference_outputs(q, k, v, segments, cotangent, case["causal"])
+  want = reference_outputs(q, k, v, segments, cotangent, case["causal"], case.get("window", 0))
   errors = {}
   for part, a, b in zip(("out", "dq", "dk", "dv"), got, want):
     assert a.dtype == q.dtype and a.shape == b.shape, part
@@ -132,6 +133,18 @@ def test_cudnn_attention_equals_the_reference(gpu, record_property, packed):
                                       kv_heads=2, head_dim=128, dtype="bfloat16", packed=packed))
   check_against_reference(lambda q, k, v, seg: cudnn_attention(q, k, v, seg, True), case, gpu,
                           record_property, f"cudnn{packed}")
+
+
+def test_cudnn_attention_with_a_sliding_window_equals_the_reference(gpu, record_property):
+  """What model.sliding_window runs with attention_impl=cudnn: cuDNN's local window (bf16,
+  causal, GQA 4), a 1024-token window over 8192 tokens, forward and backward."""
+  gpu.needs_gpu("cuDNN attention")
+  case = dict(causal=True, window=1024, shape=dict(batch=1, length=8192, heads=8, kv_heads=2,
+                                                   head_dim=128, dtype="bfloat16", packed=False))
+  check_against_reference(
+      lambda q, k, v, seg: kernels.attention(q, k, v, seg, causal=True, impl="cudnn",
+                                             window=1024),
+      case, gpu, record_property, "cudnn_window")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
