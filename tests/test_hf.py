@@ -27,19 +27,25 @@ PARITY = 1e-4  # max |logit difference| against transformers in float32, fixed b
 transformers.utils.logging.disable_progress_bar()
 
 
-def hf_llama(path, *, kv_heads=2, tied=False, rope_scaling=None, seed=0, dtype=torch.float32):
-  """A random LlamaForCausalLM saved with save_pretrained; weights scaled up from HF's 0.02-std
-  init so logits are O(1) and any layout mistake is far above the tolerance."""
+def random_hf_model(model_class, config, path, *, seed=0, norm_spread=0.1, dtype=torch.float32):
+  """A random `model_class(config)` saved with save_pretrained; weights scaled up from HF's
+  0.02-std init so logits are O(1) and any layout mistake is far above the tolerance (norm
+  scales 1 +- norm_spread x N(0, 1), every other weight 0.15 x N(0, 1))."""
   torch.manual_seed(seed)
-  config = transformers.LlamaConfig(**TINY, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-                                    rope_scaling=rope_scaling, attn_implementation="eager")
-  model = transformers.LlamaForCausalLM(config).eval()
+  model = model_class(config).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
+      p.copy_(1 + norm_spread * torch.randn_like(p) if name.endswith("norm.weight")
               else 0.15 * torch.randn_like(p))
   model.to(dtype).save_pretrained(path)
   return model
+
+
+def hf_llama(path, *, kv_heads=2, tied=False, rope_scaling=None, seed=0, dtype=torch.float32):
+  """A random LlamaForCausalLM (random_hf_model)."""
+  config = transformers.LlamaConfig(**TINY, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                                    rope_scaling=rope_scaling, attn_implementation="eager")
+  return random_hf_model(transformers.LlamaForCausalLM, config, path, seed=seed, dtype=dtype)
 
 
 def hf_logits(model, tokens=TOKENS) -> np.ndarray:
@@ -92,17 +98,10 @@ def test_import_export_parity(tmp_path, case):
 def hf_mixtral(path, *, kv_heads=2, tied=False, seed=0):
   """A random MixtralForCausalLM (4 experts, top-2) saved with save_pretrained, weights scaled
   as in hf_llama; the router's too, so that top-2 choices are decisive, not near-ties."""
-  torch.manual_seed(seed)
   config = transformers.MixtralConfig(**TINY, num_key_value_heads=kv_heads, head_dim=16,
                                       tie_word_embeddings=tied, num_local_experts=4,
                                       num_experts_per_tok=2, attn_implementation="eager")
-  model = transformers.MixtralForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
-              else 0.15 * torch.randn_like(p))
-  model.save_pretrained(path)
-  return model
+  return random_hf_model(transformers.MixtralForCausalLM, config, path, seed=seed)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -7,7 +7,6 @@ import json
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -17,7 +16,7 @@ from models import abstract_model, hf
 from models.config import MoEConfig
 from sharding import MeshConfig
 from tests import parallel_harness as harness
-from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits
+from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits, random_hf_model
 from tests.test_parallel import assert_same_training
 
 PARITY = 1e-5  # max |logit difference| against transformers in float32 (issue [20])
@@ -25,17 +24,11 @@ PARITY = 1e-5  # max |logit difference| against transformers in float32 (issue [
 
 def hf_qwen3(path, seed=0):
   """A random Qwen3ForCausalLM (GQA, head_dim 16) saved with save_pretrained; weights scaled as
-  tests/test_hf.hf_llama's, the QK-norm scales too, so that they matter."""
-  torch.manual_seed(seed)
+  tests/test_hf.hf_llama's, the QK-norm scales spread wider, so that they matter."""
   config = transformers.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=16,
                                     tie_word_embeddings=False, attn_implementation="eager")
-  model = transformers.Qwen3ForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
-              else 0.15 * torch.randn_like(p))
-  model.save_pretrained(path)
-  return model
+  return random_hf_model(transformers.Qwen3ForCausalLM, config, path, seed=seed,
+                         norm_spread=0.3)
 
 
 def test_qwen3_import_export_parity(tmp_path):
@@ -93,18 +86,12 @@ def test_qwen3_presets_have_the_published_parameter_counts():
 
 def hf_qwen3_moe(path, norm_topk_prob, seed=0):
   """A random Qwen3MoeForCausalLM (4 experts of width 32, top-2), weights scaled as hf_qwen3's."""
-  torch.manual_seed(seed)
   config = transformers.Qwen3MoeConfig(**TINY, num_key_value_heads=2, head_dim=16,
                                        num_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=32, norm_topk_prob=norm_topk_prob,
                                        attn_implementation="eager")
-  model = transformers.Qwen3MoeForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
-              else 0.15 * torch.randn_like(p))
-  model.save_pretrained(path)
-  return model
+  return random_hf_model(transformers.Qwen3MoeForCausalLM, config, path, seed=seed,
+                         norm_spread=0.3)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["normalized", "raw_top_k"])

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -18,7 +17,7 @@ from models import abstract_model, hf
 from models.config import ModelConfig
 from sharding import LayoutError, MeshConfig
 from tests import parallel_harness as harness
-from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits
+from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits, random_hf_model
 from tests.test_parallel import assert_same_training
 
 PARITY = 1e-5  # max |logit difference| against transformers in float32 (issue [20])
@@ -48,17 +47,10 @@ def test_the_xla_lowering_equals_the_reference_with_a_window():
 
 
 def hf_mistral(path, seed=0):
-  """A random MistralForCausalLM with a window of WINDOW, weights scaled as test_hf.hf_llama's."""
-  torch.manual_seed(seed)
+  """A random MistralForCausalLM with a window of WINDOW (test_hf.random_hf_model)."""
   config = transformers.MistralConfig(**TINY, num_key_value_heads=2, head_dim=16,
                                       sliding_window=WINDOW, attn_implementation="eager")
-  model = transformers.MistralForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
-              else 0.15 * torch.randn_like(p))
-  model.save_pretrained(path)
-  return model
+  return random_hf_model(transformers.MistralForCausalLM, config, path, seed=seed)
 
 
 def test_mistral_import_export_parity(tmp_path):
@@ -109,16 +101,10 @@ def test_the_mistral_7b_preset_has_the_published_parameter_count():
 
 def test_mixtral_with_a_window_import_export_parity(tmp_path):
   """Mixtral's config.json may set a window too (every layer): read, matched and written back."""
-  torch.manual_seed(0)
   config = transformers.MixtralConfig(**TINY, num_key_value_heads=2, head_dim=16,
                                       num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=WINDOW, attn_implementation="eager")
-  reference_model = transformers.MixtralForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in reference_model.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight")
-              else 0.15 * torch.randn_like(p))
-  reference_model.save_pretrained(tmp_path / "hf")
+  reference_model = random_hf_model(transformers.MixtralForCausalLM, config, tmp_path / "hf")
   expected = hf_logits(reference_model)
   model = hf.from_pretrained(str(tmp_path / "hf"))
   assert model.config.sliding_window == WINDOW and model.config.moe is not None
