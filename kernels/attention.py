@@ -1,6 +1,7 @@
 """One attention entry point; `impl` picks the implementation, all with the same semantics."""
 
 import jax
+import jax.numpy as jnp
 
 from kernels import reference
 from kernels.flash_attention import flash_attention
@@ -23,16 +24,16 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
   """Causal/packed grouped-query attention.
 
   Args:
-    q: [B, L, H, d]; k, v: [B, L, K, d] with H a multiple of K.
+    q: [B, L, H, d]; k: [B, L, K, d], v: [B, L, K, dv] with H a multiple of K (dv != d: MLA).
     segment_ids: optional [B, L] document ids (packed sequences never attend across documents).
     causal: mask future positions.
     impl: "auto" (resolve(impl, JAX's default backend)), "xla" (the plain-jnp reference), "dot_product" (`jax.nn.dot_product_attention`, XLA
       lowering), "cudnn" (the same call with the cuDNN fused kernel; GPU only) or
       "pallas_flash" (`kernels.flash_attention`: Triton on GPUs, the Pallas interpreter on CPU).
-    window: > 0: sliding-window attention over the last `window` keys (not with pallas_flash
-      yet; ModelConfig.validate refuses it).
+    window: > 0: sliding-window attention over the last `window` keys, the query's own
+      included; pallas_flash (causal only) skips the key blocks outside it.
   Returns:
-    [B, L, H, d] attention output.
+    [B, L, H, dv] attention output.
   """
   impl = resolve(impl, jax.default_backend())
   if impl == "xla":
@@ -41,12 +42,14 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
     mask = None
     if segment_ids is not None:
       mask = reference.attention_mask(q.shape[1], segment_ids, causal=False)
-    return jax.nn.dot_product_attention(
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # MLA: jax.nn.dot_product_attention wants one head dim; zero columns of
+      v = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - dv),))  # v give zero output columns
+    out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=causal,
         local_window_size=(window - 1, 0) if window else None,
         implementation="xla" if impl == "dot_product" else "cudnn")
-  if window:
-    raise ValueError("sliding-window attention does not run in the pallas_flash kernel yet")
+    return out[..., :dv]
   if impl == "pallas_flash":
-    return flash_attention(q, k, v, segment_ids, causal=causal)
+    return flash_attention(q, k, v, segment_ids, causal=causal, window=window)
   raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")

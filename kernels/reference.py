@@ -28,12 +28,13 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, window: int = 0
   """Softmax attention in float32 without repeating K/V for grouped-query attention.
 
   Args:
-    q: [B, L, H, d] queries; k, v: [B, L, K, d] keys and values, H a multiple of K.
+    q: [B, L, H, d] queries; k, v: [B, L, K, d] keys and values, H a multiple of K (v may
+      have another head dim, dv: MLA's).
     segment_ids: optional [B, L] int document ids; tokens attend only within their document.
     causal: mask future positions.
     window: > 0: each query sees only the last `window` keys (itself included).
   Returns:
-    [B, L, H, d] in q's dtype.
+    [B, L, H, dv] in q's dtype.
   """
   b, length, h, d = q.shape
   kv_heads = k.shape[2]
@@ -45,7 +46,7 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, window: int = 0
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("BKGLS,BSKd->BLKGd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(b, length, h, d).astype(q.dtype)
+  return out.reshape(b, length, h, v.shape[-1]).astype(q.dtype)  # MLA: v's head dim
 
 
 def cross_entropy(h_BLD, w_DV, targets_BL, mask_BL, z_loss: float = 0.0):

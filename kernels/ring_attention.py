@@ -2,18 +2,22 @@
 
 Both run inside a shard_map whose `axis_name` splits the sequence; masks come from token
 positions and segment ids (not indices), so any order of the sequence (e.g. load-balanced
-"zigzag") is handled. Einsum letters: B batch, L local queries, S keys, K kv heads, G query heads
-per kv head, d head dim.
+"zigzag") is handled. A sliding window (`window` > 0, Mistral's) keeps the keys whose position
+is less than `window` before the query's: within a document positions advance by one per token
+(trainer/data.py), so that is kernels/reference.py's index difference. Einsum letters: B batch,
+L local queries, S keys, K kv heads, G query heads per kv head, d q/k head dim, e v head dim
+(different from d under MLA).
 """
 
 import jax
 import jax.numpy as jnp
 
 
-def block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal: bool = True):
-  """Attention of local queries to one block of keys: (output [B, L, H, d] f32, lse [B, L, H]).
+def block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal: bool = True, window: int = 0):
+  """Attention of local queries to one block of keys: (output [B, L, H, e] f32, lse [B, L, H]).
 
   Rows with no visible key in the block get output 0 and lse -inf, so blocks combine exactly.
+  `window` > 0 also hides keys `window` or more positions before the query.
   """
   b, length, h, d = q.shape
   kv_heads = k.shape[2]
@@ -23,6 +27,8 @@ def block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal: bool = True):
   mask = (q_seg[:, :, None] == k_seg[:, None, :])  # [B, L, S]
   if causal:
     mask &= k_pos[:, None, :] <= q_pos[:, :, None]
+  if window:
+    mask &= q_pos[:, :, None] - k_pos[:, None, :] < window
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   # The max only stabilizes the exponent (the result does not depend on it): no gradient.
   top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
@@ -30,9 +36,9 @@ def block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal: bool = True):
   probs = jnp.exp(scores - top)
   total = jnp.sum(probs, axis=-1, keepdims=True)
   safe_total = jnp.where(total > 0, total, 1.0)
-  out = jnp.einsum("BKGLS,BSKd->BLKGd", probs / safe_total, v.astype(jnp.float32))
+  out = jnp.einsum("BKGLS,BSKe->BLKGe", probs / safe_total, v.astype(jnp.float32))
   lse = jnp.where(total > 0, top + jnp.log(safe_total), -jnp.inf)[..., 0]  # [B, K, G, L]
-  return out.reshape(b, length, h, d), lse.transpose(0, 3, 1, 2).reshape(b, length, h)
+  return out.reshape(b, length, h, v.shape[-1]), lse.transpose(0, 3, 1, 2).reshape(b, length, h)
 
 
 def combine(out_a, lse_a, out_b, lse_b):
@@ -49,26 +55,46 @@ def combine(out_a, lse_a, out_b, lse_b):
 
 
 # Recompute each block's scores in the backward instead of keeping N of them alive.
-_block = jax.checkpoint(block_attention, static_argnums=(7,))
+_block = jax.checkpoint(block_attention, static_argnums=(7, 8))
 
 
-def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool = True):
-  """Per-device ring attention: this device's queries against every device's K/V block.
+def ring_hops(devices: int, local_length: int, window: int = 0, contiguous: bool = False) -> int:
+  """Hops of the ring: N - 1, or with a causal window over the contiguous order (device i holds
+  tokens [i·L, (i+1)·L)) the ceil((window - 1) / L) previous blocks a query can reach."""
+  if not (window and contiguous):
+    return devices - 1
+  return min(devices - 1, -(-(window - 1) // local_length))
 
-  K/V travel around the ring with `ppermute` (N - 1 steps; the transfer for the next step is
-  issued before this step's compute so XLA can overlap them); positions and segment ids (tiny)
-  are all-gathered once. Autodiff through the ring gives the backward ring.
+
+def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool = True,
+                   window: int = 0, contiguous: bool = False):
+  """Per-device ring attention: this device's queries against the K/V blocks it needs.
+
+  K/V travel around the ring with `ppermute` (N - 1 steps, or fewer with a window; the transfer
+  for the next step is issued before this step's compute so XLA can overlap them); positions
+  and segment ids (tiny) are all-gathered once. Autodiff through the ring gives the backward
+  ring.
+
+  With a causal `window` and the sequence in `contiguous` order, the ring stops after
+  `ring_hops` steps (static): no query reaches further back. The first devices then receive
+  blocks from the end of the sequence (the ring wraps around); the mask hides them (later
+  positions, or other documents), and computing them costs those devices no more than every
+  other device spends, so the step is not slower for it. The zigzag order spreads every block
+  over the sequence: there a window masks but skips no hop.
 
   Args:
-    q: [B, L, H, d] local queries; k, v: [B, L, K, d] local keys/values.
+    q: [B, L, H, d] local queries; k: [B, L, K, d] and v: [B, L, K, e] local keys/values.
     positions, segment_ids: [B, L] of the local tokens.
     axis_name: the mesh axis (or axes) splitting the sequence.
+    window: > 0: each query sees only the keys less than `window` positions before it.
+    contiguous: the sequence is in contiguous order over `axis_name` (else any order).
   Returns:
-    [B, L, H, d] in q's dtype.
+    [B, L, H, e] in q's dtype.
   """
   n = jax.lax.axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   length = k.shape[1]
+  hops = ring_hops(n, length, window, contiguous and causal)
   all_pos = jax.lax.all_gather(positions, axis_name, axis=1, tiled=True)
   all_seg = jax.lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
 
@@ -79,7 +105,7 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool =
 
   ring = [(i, (i + 1) % n) for i in range(n)]
   k_pos, k_seg = block_meta(0)
-  out, lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal)
+  out, lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal, window)
 
   def step(carry, hop):
     # A scan, not a Python loop: its backward runs the blocks one after another, so only one
@@ -87,18 +113,22 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool =
     k, v, out, lse = carry
     k, v = jax.lax.ppermute((k, v), axis_name, ring)
     k_pos, k_seg = block_meta(hop)
-    block_out, block_lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal)
+    block_out, block_lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal, window)
     out, lse = combine(out, lse, block_out, block_lse)
     return (k, v, out, lse), None
 
-  (_, _, out, lse), _ = jax.lax.scan(step, (k, v, out, lse), jnp.arange(1, n))
+  if hops:
+    (_, _, out, lse), _ = jax.lax.scan(step, (k, v, out, lse), jnp.arange(1, hops + 1))
   return out.astype(q.dtype)
 
 
-def allgather_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool = True):
+def allgather_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool = True,
+                        window: int = 0, contiguous: bool = False):
   """Per-device attention after all-gathering K/V over the sequence axis (Llama-3's approach
-  for long context): simpler than the ring; K/V memory grows with the whole sequence."""
+  for long context): simpler than the ring; K/V memory grows with the whole sequence. A
+  `window` only masks: every block is still gathered (`contiguous`, the order, is not needed)."""
+  del contiguous
   gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
   out, _ = block_attention(q, gather(k), gather(v), positions, gather(positions), segment_ids,
-                           gather(segment_ids), causal)
+                           gather(segment_ids), causal, window)
   return out.astype(q.dtype)

@@ -1,5 +1,7 @@
 """Grouped-query self-attention: projections, RoPE, logical constraints, the kernel call."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,12 +21,15 @@ KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
 # the data axes, heads over `tensor`). It needs whole sequences: context parallelism (seq split)
 # is refused with a clear error rather than silently attending within each shard. On CPU the
 # kernel runs in the Pallas interpreter, which shard_map's varying-axes check cannot follow
-# (see shard_map_logical); the check stays on wherever the kernel really compiles.
-_flash_per_device = shard_map_logical(
-    lambda q, k, v, segment_ids: kernels.attention(q, k, v, segment_ids, causal=True,
-                                                   impl="pallas_flash"),
-    (Q_NAMES, KV_NAMES, KV_NAMES, ("batch", "seq")), Q_NAMES, whole=("seq",),
-    what="pallas_flash attention", check_vma_on_cpu=False)
+# (see shard_map_logical); the check stays on wherever the kernel really compiles. One per
+# window: the kernel's block bounds are static.
+@functools.cache
+def _flash_per_device(window: int):
+  return shard_map_logical(
+      lambda q, k, v, segment_ids: kernels.attention(q, k, v, segment_ids, causal=True,
+                                                     impl="pallas_flash", window=window),
+      (Q_NAMES, KV_NAMES, KV_NAMES, ("batch", "seq")), Q_NAMES, whole=("seq",),
+      what="pallas_flash attention", check_vma_on_cpu=False)
 
 
 class Attention(nnx.Module):
@@ -49,31 +54,40 @@ class Attention(nnx.Module):
     self.window = cfg.sliding_window
 
   def resolved_impl(self) -> str:
-    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU,
-    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet) and with a
-    sliding window (the flash kernel has none yet)."""
-    if self.impl == "auto" and (in_manual_region() or self.window):
+    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU and
+    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet)."""
+    if self.impl == "auto" and in_manual_region():
       return "xla"
     return resolve_impl(self.impl, platform())
 
-  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL) -> jax.Array:
+  def project(self, x_BLD, positions_BL):
+    """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
     q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
     k = constrain(self.k("BLD,DKd->BLKd", x_BLD), KV_NAMES)
     v = constrain(self.v("BLD,DKd->BLKd", x_BLD), KV_NAMES)
     if self.q_norm is not None:  # QK-norm (Qwen3), per head over the head dim
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = inverse_frequencies(*self.rope)
-    q = apply_rope(q, positions_BL, inv_freq)
-    k = apply_rope(k, positions_BL, inv_freq)
+    return apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq), v
+
+  def attend(self, q, k, v, positions_BL, segment_ids_BL, window=None):
+    """The kernel over projected q, k, v, then the output projection: [B, L, D]. `window`: this
+    layer's sliding window (0: full attention); None: the model's."""
+    window = self.window if window is None else window
     if sequence_axes():  # context parallelism: each device holds a part of the sequence
       kernel = (kernels.ring_attention if self.context_impl == "ring"
                 else kernels.allgather_attention)
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
-      out = context_attention(kernel, q, k, v, positions_BL, segments)
+      out = context_attention(kernel, q, k, v, positions_BL, segments, window=window,
+                              model_window=self.window)
     elif (impl := self.resolved_impl()) == "pallas_flash":
-      out = _flash_per_device(q, k, v, segment_ids_BL)
+      out = _flash_per_device(window)(q, k, v, segment_ids_BL)
     else:
-      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl,
-                              window=self.window)
+      out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl, window=window)
     out = constrain(out, Q_NAMES)
     return self.o("BLHd,HdD->BLD", out)
+
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL,
+               window=None) -> jax.Array:
+    q, k, v = self.project(x_BLD, positions_BL)
+    return self.attend(q, k, v, positions_BL, segment_ids_BL, window)

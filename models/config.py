@@ -5,6 +5,7 @@ import dataclasses
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from sharding.expert import EXCHANGES
 from sharding.layout import REMATS
+from sharding.plan.estimate import attention_span
 
 LOSS_IMPLS = ("dense", "chunked")
 # Remat policies by name: the jax.checkpoint_policies member each applies to one layer's body
@@ -125,6 +126,47 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(unsafe_hash=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3; models/mla.py). Queries come from a low-rank
+  latent of `q_lora_rank` (0: a full projection), keys and values from one shared latent of
+  `kv_lora_rank`, each latent RMS-normed. Each head's query/key is a `qk_nope_head_dim` part
+  without position and a `qk_rope_head_dim` part with RoPE (one rope key shared by every head);
+  values have `v_head_dim`. The model's head_dim is the q/k head dim (nope + rope) and its
+  num_kv_heads equals num_heads: keys and values are expanded per head from the latent."""
+
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 64
+  qk_nope_head_dim: int = 32
+  qk_rope_head_dim: int = 16
+  v_head_dim: int = 32
+
+  def validate(self, model) -> None:
+    """Raises ValueError with a one-line message for an inconsistent MLA."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.mla.{name} must be positive, got {getattr(self, name)}")
+    if self.q_lora_rank < 0 or self.qk_rope_head_dim % 2:
+      raise ValueError(f"model.mla.q_lora_rank must be >= 0 (0: no query latent) and"
+                       f" qk_rope_head_dim even, got {self.q_lora_rank}, {self.qk_rope_head_dim}")
+    qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+    if model.head_dim != qk or model.num_kv_heads != model.num_heads:
+      raise ValueError(f"with model.mla, set model.head_dim={qk} (qk_nope_head_dim +"
+                       f" qk_rope_head_dim) and model.num_kv_heads={model.num_heads}"
+                       f" (= num_heads), got {model.head_dim} and {model.num_kv_heads}")
+
+  def params(self, embed_dim: int, heads: int) -> int:
+    """Projection weights of one MLA layer (q, kv latent with the rope key, kv up, o)."""
+    d, qk = embed_dim, self.qk_nope_head_dim + self.qk_rope_head_dim
+    q = d * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else d * heads * qk
+    kv = d * (self.kv_lora_rank + self.qk_rope_head_dim)
+    kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+    return q + kv + heads * self.v_head_dim * d
+
+  def norm_params(self) -> int:
+    return self.q_lora_rank + self.kv_lora_rank
+
+
+@dataclasses.dataclass(unsafe_hash=True)
 class ModelConfig:
   """A Llama-style decoder (dimension letters, as in README: V vocab, D embed, H heads, K kv heads,
   d head dim, F mlp; the layer count is `num_layers`). Hashable (a built Transformer keeps a copy
@@ -174,12 +216,26 @@ class ModelConfig:
   # Sliding-window attention in every layer (Mistral): each token attends to the last
   # `sliding_window` tokens, itself included; 0: full causal attention.
   sliding_window: int = 0
+  # With a window: every `full_attention_every`-th layer (layers N-1, 2N-1, ...) attends fully
+  # instead, the others through the window (GPT-OSS: 2, alternating; Gemma 3: 6, five local to
+  # one global). 0: the window in every layer (Mistral).
+  full_attention_every: int = 0
+  # Multi-head latent attention (DeepSeek-V3) in place of grouped-query attention; None: GQA.
+  mla: MLAConfig | None = None
+  # DeepSeek-V3's multi-token prediction (models/mtp.py): `mtp_depth` sequential modules, module
+  # k predicting the token k + 1 positions after the next; their cross-entropy joins the loss
+  # times mtp_loss_weight / mtp_depth (DeepSeek-V3: depth 1, weight 0.3, later 0.1). 0: off.
+  # Training only: the model's logits never use them.
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.3
 
   def __post_init__(self):
     if isinstance(self.moe, dict):  # from dataclasses.asdict (e.g. a config sent to a subprocess)
       self.moe = MoEConfig(**self.moe)
     if isinstance(self.fp8, dict):
       self.fp8 = Fp8Config(**self.fp8)
+    if isinstance(self.mla, dict):
+      self.mla = MLAConfig(**self.mla)
 
   def validate(self) -> None:
     """Raises ValueError with a one-line message for an inconsistent architecture."""
@@ -202,11 +258,17 @@ class ModelConfig:
     if self.sliding_window < 0:
       raise ValueError(f"model.sliding_window must be >= 0 (0: full attention), got"
                        f" {self.sliding_window}")
-    if self.sliding_window and self.attention_impl == "pallas_flash":
-      raise ValueError("model.sliding_window does not run in the pallas_flash kernel yet; use"
-                       " attention_impl=auto (the reference with a window) or xla")
+    if self.full_attention_every:
+      stacks = (self.dense_layers(), self.moe_layers())
+      if not self.sliding_window or self.full_attention_every < 2 or any(
+          n % self.full_attention_every for n in stacks):
+        raise ValueError(f"model.full_attention_every={self.full_attention_every} needs"
+                         f" model.sliding_window > 0, a period >= 2, and dense and MoE layer"
+                         f" counts {stacks} that are multiples of it")
     if self.moe is not None:
       self.moe.validate(self.num_layers)
+    if self.mla is not None:
+      self.mla.validate(self)
     self.fp8.validate()
     if self.collective_matmul and self.fp8.applies_to("mlp"):
       raise ValueError("model.collective_matmul runs the MLP matmuls itself, not in fp8: drop"
@@ -214,6 +276,13 @@ class ModelConfig:
     if self.fp8.applies_to("head") and (self.tie_embeddings or self.loss_impl == "chunked"):
       raise ValueError("model.fp8.targets includes 'head', which needs an untied head and"
                        " model.loss_impl='dense'")
+    if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+      raise ValueError(f"model.mtp_depth and model.mtp_loss_weight must be >= 0 (depth 0: no"
+                       f" multi-token prediction), got {self.mtp_depth} and {self.mtp_loss_weight}")
+    if self.mtp_depth and self.fp8.applies_to("head"):  # two uses would add two new histories
+      raise ValueError("model.fp8.targets includes 'head', whose amax history one use updates,"
+                       " but the multi-token prediction modules share it: drop 'head' or set"
+                       " model.mtp_depth=0")
 
   # ---- parameter counts (the formulas the tests check against the built model) ----
 
@@ -223,11 +292,19 @@ class ModelConfig:
 
   def _attention_params(self) -> int:
     d, h, k, dh = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim
+    if self.mla is not None:
+      return self.mla.params(d, h)
     return d * h * dh + 2 * d * k * dh + h * dh * d  # q, k, v, o
 
+  def v_head_dim(self) -> int:
+    """The value (and attention output) head dim: head_dim, or MLA's v_head_dim."""
+    return self.head_dim if self.mla is None else self.mla.v_head_dim
+
   def _norm_params(self) -> int:
-    """A layer's norm scales: before attention and the MLP, and Qwen3's QK-norm (q and k)."""
-    return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+    """A layer's norm scales: before attention and the MLP, Qwen3's QK-norm (q and k) and MLA's
+    latent norms."""
+    mla = self.mla.norm_params() if self.mla is not None else 0
+    return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0) + mla
 
   def dense_layers(self) -> int:
     return self.num_layers if self.moe is None else self.moe.first_dense_layers
@@ -254,20 +331,42 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Every parameter (all experts)."""
-    return self._params(self.moe_layer_params() if self.moe else 0)
+    return self._params(self.moe_layer_params() if self.moe else 0) + self.mtp_params()
 
   def active_params(self) -> int:
     """Parameters one token uses: routed experts counted top-k times; embedding and head
     included (Mixtral-8x7B: 12.9B of 46.7B)."""
-    return self._params(self.moe_layer_params(self.moe.experts_per_token) if self.moe else 0)
+    return self._params(self.moe_layer_params(self.moe.experts_per_token) if self.moe else 0) + \
+        self.mtp_params(self.moe.experts_per_token if self.moe else None)
+
+  def mtp_params(self, experts: int | None = None) -> int:
+    """The multi-token prediction modules (models/mtp.py), each: embedding and hidden norms, the
+    [2D, D] projection, one block like the last layer (MoE: all routed experts, or `experts` of
+    them) and an output norm. The embedding and the head are the model's, counted once."""
+    d = self.embed_dim
+    block = self.moe_layer_params(experts) if self.moe else self.layer_params()
+    return self.mtp_depth * (3 * d + 2 * d * d + block)
+
+  def mtp_matmul_params(self) -> int:
+    """Matmul weights a token passes through in the MTP modules: projection, the block's (top-k
+    experts; no norms, no routing bias) and the shared head, once per module."""
+    if self.moe is None:
+      block = self.layer_params()
+    else:
+      bias = self.moe.num_experts if self.moe.bias_update_rate > 0 else 0
+      block = self.moe_layer_params(self.moe.experts_per_token) - bias
+    d = self.embed_dim
+    return self.mtp_depth * (2 * d * d + block - self._norm_params() + self.vocab_size * d)
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (active matmul parameters) + causal attention scores.
 
     Matmul parameters exclude the embedding lookup, norm scales and router biases but include
     the output head (tied or not) and the routers; MoE layers count their top-k experts.
-    Attention: QK^T and AV are 2 x 2 x L x H x Dh x seq FLOPs forward per token without masking;
-    the causal mask halves it, and backward doubles forward twice (x3 total): 6 x L x H x Dh x seq.
+    Attention: QK^T and AV are 2 x L x H x (Dh + Dv) x seq FLOPs forward per token without
+    masking; the causal mask halves it, and backward doubles forward twice (x3 total):
+    3 x L x H x (Dh + Dv) x seq (Dv = Dh but for MLA). A sliding window replaces seq by its
+    span (sharding.plan.estimate.attention_span).
     """
     matmul = self.dense_layers() * (self.layer_params() - self._norm_params())
     if self.moe is not None:
@@ -275,5 +374,8 @@ class ModelConfig:
       active = self.moe_layer_params(self.moe.experts_per_token)
       matmul += self.moe_layers() * (active - self._norm_params() - bias)
     matmul += self.vocab_size * self.embed_dim
-    attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
-    return 6.0 * matmul + attention
+    attention = 3 * self.num_layers * self.num_heads * (self.head_dim + self.v_head_dim())
+    attention *= attention_span(seq_len, self.sliding_window, self.full_attention_every)
+    # The MTP modules: their matmuls, and each block's attention like one more layer's.
+    attention *= 1 + self.mtp_depth / self.num_layers
+    return 6.0 * (matmul + self.mtp_matmul_params()) + attention

@@ -88,8 +88,11 @@ class _Tensors:
       raise ValueError(f"tensor {name} in {path} has dtype {code}, not a float type")
     return np.memmap(path, dtype=_DTYPES[code], mode="r", offset=offset, shape=shape)
 
-  def check(self, expected: dict[str, tuple[int, ...]], model_dir: str) -> None:
-    """Every expected tensor present with its shape, and nothing unaccounted for."""
+  def check(self, expected: dict[str, tuple[int, ...]], model_dir: str,
+            ignored_layers_from: int | None = None) -> None:
+    """Every expected tensor present with its shape, and nothing unaccounted for but the layers
+    numbered from `ignored_layers_from` on (DeepSeek-V3's multi-token-prediction modules, which
+    transformers ignores too)."""
     missing = [n for n in expected if n not in self.where]
     if missing:
       raise ValueError(f"{model_dir} is missing {len(missing)} tensor(s) the config needs:"
@@ -98,7 +101,11 @@ class _Tensors:
       if self.shape(name) != shape:
         raise ValueError(f"tensor {name} has shape {list(self.shape(name))} in"
                          f" {self.where[name][0]} but config.json implies {list(shape)}")
-    extra = [n for n in self.where if n not in expected
+    def ignored(name):
+      parts = name.split(".")
+      return (ignored_layers_from is not None and name.startswith("model.layers.")
+              and int(parts[2]) >= ignored_layers_from)
+    extra = [n for n in self.where if n not in expected and not ignored(n)
              and not n.endswith(hf_mapping.IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if extra:
       raise ValueError(f"{model_dir} has {len(extra)} tensor(s) this architecture does not use:"
@@ -181,7 +188,7 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
     leaf = _get(abstract, entry.path)
     hf_shape = entry.layout.hf_shape(leaf.shape[entry.stacked:])
     expected.update({name: hf_shape for _, name in entry.hf_names(leaf.shape[:entry.stacked])})
-  tensors.check(expected, model_dir)
+  tensors.check(expected, model_dir, cfg.num_layers if cfg.mla is not None else None)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract)

@@ -10,7 +10,7 @@ from models.config import ModelConfig, MoEConfig
 # HF class name -> the meshtron architecture it maps to.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MistralForCausalLM": "mistral"}
+                 "MistralForCausalLM": "mistral", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Tensors some HF checkpoints carry that hold no parameter (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -96,12 +96,14 @@ class Entry:
 
   `hf_name` has one placeholder per leading stacked dim of ours, in order: `{layer}` for the
   `layers` dim, then `{expert_id}` for an `experts` dim. Each (layer[, expert]) HF tensor is one
-  slice of the stacked parameter, related to it by `layout`.
+  slice of the stacked parameter, related to it by `layout`. HF layer = our row + `layer_offset`
+  (DeepSeek's MoE stack follows its dense layers in one numbering).
   """
 
   path: tuple[str, ...]
   hf_name: str
   layout: object
+  layer_offset: int = 0
 
   @property
   def stacked(self) -> int:
@@ -110,27 +112,28 @@ class Entry:
   def hf_names(self, lead_shape) -> list[tuple[tuple[int, ...], str]]:
     """(leading index, HF name) for every HF tensor of this parameter."""
     keys = ("layer", "expert_id")[:self.stacked]
-    return [(idx, self.hf_name.format(**dict(zip(keys, idx))))
+    offsets = (self.layer_offset, 0)
+    return [(idx, self.hf_name.format(**{k: i + o for k, i, o in zip(keys, idx, offsets)}))
             for idx in itertools.product(*(range(n) for n in lead_shape))]
 
 
-_LAYER = "model.layers.{layer}."
+LAYER_PREFIX = "model.layers.{layer}."
 LLAMA = (
     Entry(("embed", "table"), "model.embed_tokens.weight", SAME),
     Entry(("final_norm", "scale"), "model.norm.weight", SAME),
     Entry(("head", "w"), "lm_head.weight", TRANSPOSED),  # absent when tied
-    Entry(("layers", "attn_norm", "scale"), _LAYER + "input_layernorm.weight", SAME),
-    Entry(("layers", "attn", "q", "w"), _LAYER + "self_attn.q_proj.weight", HEADS_IN),
-    Entry(("layers", "attn", "k", "w"), _LAYER + "self_attn.k_proj.weight", HEADS_IN),
-    Entry(("layers", "attn", "v", "w"), _LAYER + "self_attn.v_proj.weight", HEADS_IN),
-    Entry(("layers", "attn", "o", "w"), _LAYER + "self_attn.o_proj.weight", HEADS_OUT),
+    Entry(("layers", "attn_norm", "scale"), LAYER_PREFIX + "input_layernorm.weight", SAME),
+    Entry(("layers", "attn", "q", "w"), LAYER_PREFIX + "self_attn.q_proj.weight", HEADS_IN),
+    Entry(("layers", "attn", "k", "w"), LAYER_PREFIX + "self_attn.k_proj.weight", HEADS_IN),
+    Entry(("layers", "attn", "v", "w"), LAYER_PREFIX + "self_attn.v_proj.weight", HEADS_IN),
+    Entry(("layers", "attn", "o", "w"), LAYER_PREFIX + "self_attn.o_proj.weight", HEADS_OUT),
     # Qwen3's QK-norm scales (only in models with model.qk_norm).
-    Entry(("layers", "attn", "q_norm", "scale"), _LAYER + "self_attn.q_norm.weight", SAME),
-    Entry(("layers", "attn", "k_norm", "scale"), _LAYER + "self_attn.k_norm.weight", SAME),
-    Entry(("layers", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", SAME),
-    Entry(("layers", "mlp", "gate", "w"), _LAYER + "mlp.gate_proj.weight", TRANSPOSED),
-    Entry(("layers", "mlp", "up", "w"), _LAYER + "mlp.up_proj.weight", TRANSPOSED),
-    Entry(("layers", "mlp", "down", "w"), _LAYER + "mlp.down_proj.weight", TRANSPOSED),
+    Entry(("layers", "attn", "q_norm", "scale"), LAYER_PREFIX + "self_attn.q_norm.weight", SAME),
+    Entry(("layers", "attn", "k_norm", "scale"), LAYER_PREFIX + "self_attn.k_norm.weight", SAME),
+    Entry(("layers", "mlp_norm", "scale"), LAYER_PREFIX + "post_attention_layernorm.weight", SAME),
+    Entry(("layers", "mlp", "gate", "w"), LAYER_PREFIX + "mlp.gate_proj.weight", TRANSPOSED),
+    Entry(("layers", "mlp", "up", "w"), LAYER_PREFIX + "mlp.up_proj.weight", TRANSPOSED),
+    Entry(("layers", "mlp", "down", "w"), LAYER_PREFIX + "mlp.down_proj.weight", TRANSPOSED),
 )
 # Mixtral: every layer is a MoE block (our `moe_layers` stack) with the same attention and norms;
 # on disk (transformers 5 still saves this per-expert format) each layer has a router and, per
@@ -138,7 +141,7 @@ LLAMA = (
 def _moe_table(block: str, gate: str, up: str, down: str) -> tuple[Entry, ...]:
   """Every layer a MoE block (`moe_layers`) with Llama's attention and norms; `block` holds the
   router `gate.weight` and, per expert, the gate/up [F, D] and down [D, F] weights."""
-  prefix = _LAYER + block
+  prefix = LAYER_PREFIX + block
   experts = (("gate", gate), ("up", up), ("down", down))
   return tuple(
       dataclasses.replace(e, path=("moe_layers",) + e.path[1:]) for e in LLAMA
@@ -164,13 +167,17 @@ def entries(params: dict, cfg: ModelConfig) -> list[Entry]:
         return False
       node = node[key]
     return True
-  table = LLAMA if cfg.moe is None else QWEN3_MOE if cfg.qk_norm else MIXTRAL
+  if cfg.mla is not None:
+    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    table = hf_deepseek.table(cfg)
+  else:
+    table = LLAMA if cfg.moe is None else QWEN3_MOE if cfg.qk_norm else MIXTRAL
   return [e for e in table if has(e.path)]
 
 
 # ---- config.json <-> ModelConfig ----
 
-def _rope(hf: dict) -> dict:
+def rope_fields(hf: dict) -> dict:
   """Rope fields from transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
   params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   kind = params.get("rope_type", params.get("type", "default"))
@@ -194,6 +201,9 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
   for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
     if hf.get(key) not in (None, want):
       raise ValueError(f"{key}={hf[key]!r} is not supported (only {want!r})")
+  if ARCHITECTURES[arch] == "deepseek_v3":
+    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    return hf_deepseek.config_from_hf(hf, dtype)
   heads = hf["num_attention_heads"]
   if hf.get("use_sliding_window"):
     raise ValueError(f"use_sliding_window=true (window {hf.get('sliding_window')}) is not"
@@ -225,7 +235,7 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype=dtype, dtype=dtype, moe=moe,
       qk_norm=ARCHITECTURES[arch] in ("qwen3", "qwen3_moe"), sliding_window=int(window or 0),
-      **_rope(hf))
+      **rope_fields(hf))
   cfg.validate()
   return cfg
 
@@ -235,7 +245,7 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
   (MoE) or Qwen3MoeForCausalLM (MoE with QK-norm); `base` (e.g. the imported config) keeps its
   other fields (token ids, max_position_embeddings)."""
   moe = cfg.moe
-  if moe is not None and (moe.router != "softmax" or moe.num_shared_experts
+  if moe is not None and cfg.mla is None and (moe.router != "softmax" or moe.num_shared_experts
                           or moe.first_dense_layers or moe.bias_update_rate
                           or moe.routed_scaling != 1.0 or not cfg.qk_norm and (
                               moe.mlp_dim(cfg.mlp_dim) != cfg.mlp_dim or not moe.normalize_top_k)):
@@ -263,6 +273,9 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
       head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False, mlp_bias=False,
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
+  if cfg.mla is not None:
+    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    return hf_deepseek.config_to_hf(cfg, out)
   if cfg.sliding_window and cfg.qk_norm:
     raise ValueError("a Qwen3 model with model.sliding_window does not export to Hugging Face"
                      " yet (Mistral and Mixtral hold a window in every layer)")

@@ -1,6 +1,7 @@
 """The decoder: embedding, stacked and scanned dense and MoE layers with a remat policy, head."""
 
 import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ from flax import nnx
 from models.attention import Attention
 from models.config import REMAT_POLICIES, ModelConfig
 from models.layers import RESIDUAL, Einsum, Embed, RMSNorm
+from models.mla import MLAttention
+from models import mtp
 from models.mlp import MLP
 from models.moe import MoE, summarize
 from sharding import constrain
@@ -26,15 +29,16 @@ class DecoderBlock(nnx.Module):
     """The norms and attention every block has (created first: same init order in both)."""
     norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = (Attention if cfg.mla is None else MLAttention)(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
 
-  def _attend(self, x_BLD, positions_BL, segment_ids_BL):
-    return constrain(x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL),
-                     RESIDUAL)
+  def _attend(self, x_BLD, positions_BL, segment_ids_BL, window):
+    out = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, window=window)
+    return constrain(x_BLD + out, RESIDUAL)
 
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL)
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, window=None):
+    """`window`: this layer's sliding window (0: full attention); None: the model's."""
+    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL, window)
     return constrain(x_BLD + self.mlp(self.mlp_norm(x_BLD)), RESIDUAL)
 
 
@@ -45,16 +49,16 @@ class MoEBlock(DecoderBlock):
     self._init_attention(cfg, rngs)
     self.moe = MoE(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL)
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, window=None):
+    x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL, window)
     y_BLD, stats = self.moe(self.mlp_norm(x_BLD))
     return constrain(x_BLD + y_BLD, RESIDUAL), stats
 
 
-def _stack(block, num_layers: int, cfg: ModelConfig, rngs: nnx.Rngs):
-  """`num_layers` blocks with their weights stacked on a leading `layers` dim."""
+def _stack(block, num_layers: int, cfg: ModelConfig, rngs: nnx.Rngs, dim: str = "layers"):
+  """`num_layers` blocks with their weights stacked on a leading dim named `dim`."""
   @nnx.split_rngs(splits=num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: dim})
   def stack(rngs):
     return block(cfg, rngs=rngs)
 
@@ -65,7 +69,9 @@ class Transformer(nnx.Module):
   """A Llama decoder. Every layer weight has a leading `layers` dim (one compiled layer body).
 
   With `cfg.moe`, the first `moe.first_dense_layers` layers are dense (`layers`, None when
-  there are none) and the rest form a second stack, `moe_layers`, scanned after it.
+  there are none) and the rest form a second stack, `moe_layers`, scanned after it. With
+  `cfg.mtp_depth`, `mtp` holds the multi-token prediction modules (models/mtp.py), which only the
+  training loss runs (`mtp_hidden`).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -78,6 +84,11 @@ class Transformer(nnx.Module):
     self.head = None if cfg.tie_embeddings else Einsum(
         (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,), rngs=rngs,
         fp8=cfg.fp8 if cfg.fp8.applies_to("head") else None, **kw)
+    # Multi-token prediction (models/mtp.py), stacked like layers and created last, so the other
+    # weights draw the same values with or without it. Its blocks are the last stack's kind.
+    # Its stacked dim is `mtp_layers`, not split over pipeline stages: the last stage runs all.
+    module = functools.partial(mtp.MTPModule, block=MoEBlock if cfg.moe else DecoderBlock)
+    self.mtp = _stack(module, cfg.mtp_depth, cfg, rngs, "mtp_layers") if cfg.mtp_depth else None
     # Static (in the graph definition): the config this model was built from, a private copy.
     self.config = copy.deepcopy(cfg)
 
@@ -131,6 +142,29 @@ class Transformer(nnx.Module):
       return self.embed.table[...].astype(self.embed.dtype).T
     return self.head.w[...].astype(self.head.dtype)
 
+  def mtp_hidden(self, x_BLD, tokens_ahead, positions_BL, segment_ids_BL):
+    """The multi-token prediction modules' head inputs (training only; models/mtp.py).
+
+    Args:
+      x_BLD: the last layer's output, before the final norm (`run_layers`).
+      tokens_ahead: for each depth k = 1..mtp_depth, the input tokens k positions ahead [B, L]
+        (tokens[:, i + k] at i; anything past a row's end, where the loss masks the targets),
+        shifted by the caller in the natural sequence order, before any reordering.
+      positions_BL, segment_ids_BL: as for `hidden`.
+    Returns:
+      (a [B, L, D] head input per depth, for `logits` or `head_weights` like `hidden`'s output;
+      the blocks' routing stats as `run_layers` gives them, over the mtp_depth blocks, or {}).
+    """
+    if self.mtp is None or len(tokens_ahead) != self.config.mtp_depth:
+      raise ValueError(f"mtp_hidden got {len(tokens_ahead)} depths of tokens for a model with"
+                       f" model.mtp_depth={self.config.mtp_depth}")
+    embeddings = [self.embed_tokens(tokens) for tokens in tokens_ahead]
+    heads, stats = mtp.run(self.mtp, embeddings, x_BLD, positions_BL, segment_ids_BL,
+                           self.config.remat)
+    if stats[0] is None:
+      return heads, {}
+    return heads, summarize(jax.tree.map(lambda *a: jnp.stack(a), *stats), len(stats))
+
   def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False,
              present=None):
     """The final-norm output [B, L, D] in the compute dtype: everything but the output head;
@@ -145,41 +179,63 @@ class Transformer(nnx.Module):
     return (x, aux) if return_aux else x
 
   def _run(self, stack, x, positions_BL, segment_ids_BL, present=None):
-    """One stack over x: (x, per-layer outputs stacked, or None for dense blocks)."""
-    graphdef, stacked = nnx.split(stack)
+    """One stack over x: (x, per-layer outputs stacked, or None for dense blocks).
 
-    def block(x, layer_state):
-      out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL)
+    With model.full_attention_every = N, the scan steps over groups of N layers, unrolled inside,
+    so that each layer's window is static (the kernels need it so) and the last one attends fully.
+    Stacks hold whole groups (ModelConfig.validate), so the pattern follows the model's layer
+    numbering in both stacks.
+    """
+    graphdef, stacked = nnx.split(stack)
+    period = self.config.full_attention_every
+    windows = [0 if period and (j + 1) % period == 0 else None for j in range(period or 1)]
+
+    def block(x, layer_state, window):
+      out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL, window=window)
       return out if isinstance(out, tuple) else (out, None)
 
-    body = block
+    layer = block
     if present is not None:  # padding rows: a conditional, so they run no matmuls
       # Both branches type the layer's outputs like x (in a pipeline stage: varying over its
       # axis, whether or not a value depends on the stage's data), as cond requires.
       typed_like = lambda x, y: jax.tree.map(
           lambda a: a + jnp.zeros_like(x, a.dtype, shape=()), y)
 
-      def run(x, layer_state):
-        x_out, y = block(x, layer_state)
-        return x_out, typed_like(x, y)
-
-      def skip(x, layer_state):
-        _, y = jax.eval_shape(block, x, layer_state)
-        return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
-
-      def body(x, row):
+      def layer(x, row, window):
         layer_state, here = row
+
+        def run(x, layer_state):
+          x_out, y = block(x, layer_state, window)
+          return x_out, typed_like(x, y)
+
+        def skip(x, layer_state):
+          _, y = jax.eval_shape(block, x, layer_state, window)
+          return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
         return jax.lax.cond(here, run, skip, x, layer_state)
       stacked = (stacked, jnp.asarray(present))
 
+    def body(x, rows):  # len(windows) consecutive layers, each with its own window
+      if len(windows) == 1:
+        return layer(x, rows, windows[0])
+      ys = []
+      for j, window in enumerate(windows):
+        x, y = layer(x, jax.tree.map(lambda a, j=j: a[j], rows), window)
+        ys.append(y)
+      return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    groups = jax.tree.leaves(stacked)[0].shape[0] // len(windows)
+    stacked = jax.tree.map(lambda a: a.reshape(groups, len(windows), *a.shape[1:])
+                           if period else a, stacked)
     policy = REMAT_POLICIES[self.config.remat]
     if policy is not None:
       body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy),
                             prevent_cse=not self.config.scan_layers)
     if self.config.scan_layers:
-      return jax.lax.scan(body, x, stacked)
-    ys = []  # unrolled: the same body and weights, for debugging
-    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-      x, y = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-      ys.append(y)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+      x, ys = jax.lax.scan(body, x, stacked)
+    else:  # unrolled: the same body and weights, for debugging
+      outs = []
+      for i in range(groups):
+        x, y = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+        outs.append(y)
+      ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if period else a, ys)

@@ -217,14 +217,18 @@ def _ragged_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
   recv_counts = jax.lax.all_to_all(per_device, axes, 0, 0)
   received = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
   their_start = jax.lax.all_to_all(start.reshape(n, 1), axes, 0, 0).reshape(n)
-  slots = (jnp.arange(n, dtype=jnp.int32) * capacity).astype(jnp.int32)
+  # Offsets computed from `sent` (x 0, not zeros_like, which vmap leaves unbatched): under
+  # gradient accumulation's replica vmap every offset and size must carry the batch dim, or
+  # ragged_all_to_all's batching rule fails (an assert in jax/_src/lax/parallel.py).
+  batched = sent * 0
+  slots = jnp.arange(n, dtype=jnp.int32) * capacity + batched
   # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity. The output
   # buffers are zeros typed like the rows they receive (zeros_like keeps x's varying axes): a
   # plain constant would be cast to varying, and the cast's transpose is an all-reduce of the
   # whole buffer over every device in the backward.
   recv = jax.lax.ragged_all_to_all(
       x_sorted, jnp.zeros_like(x_sorted, shape=(n * capacity, d)), start, sent,
-      jnp.full((n,), me * capacity, jnp.int32), received, axis_name=axes)
+      me * capacity + batched, received, axis_name=axes)
   out = _run_received(recv.reshape(n, capacity, d), recv_counts, params, expert_fn)
   # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
   return jax.lax.ragged_all_to_all(

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from sharding import schedules, stage_split
 from sharding.context import active, use_rules
+from sharding.context_parallel import load_balanced
 from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
                             parse_overrides, split_vocab_over_fsdp, with_overrides)
@@ -219,19 +220,19 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
     layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
-  if getattr(model, "sliding_window", 0) and layout.context > 1:
-    raise LayoutError("model.sliding_window does not run with context parallelism yet (ring and"
-                      " all-gather attention attend to every earlier key); use context=1")
   if getattr(model, "collective_matmul", False) and layout.tensor > 1 \
       and not layout.sequence_parallel:
     raise LayoutError("model.collective_matmul decomposes sequence parallelism's all-gather and"
                       " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
-  # Context parallelism splits the sequence into 2 chunks per device (the load-balanced order).
+  # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,
+  # into 1 in the contiguous order a sliding window runs with.
   context, tensor = layout.context, layout.tensor
-  chunks = 2 * context if context > 1 else 1
+  balanced = load_balanced(getattr(model, "sliding_window", 0))
+  chunks = context * (2 if balanced and context > 1 else 1)
   seq_split = math.lcm(chunks, context * (tensor if layout.sequence_parallel else 1))
   if seq_len % seq_split:
-    needs = ([f"2 x context = {chunks}"] if chunks > 1 else []) + (
+    needs = ([f"2 x context = {chunks}" if balanced else f"context = {chunks}"]
+             if context > 1 else []) + (
         [f"context x tensor = {context * tensor} (sequence parallelism)"]
         if layout.sequence_parallel else [])
     raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")

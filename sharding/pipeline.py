@@ -25,7 +25,8 @@ class StageFns:
     hold a layer} for padded stacks). Its loss_sum is the chunk's part of the loss (the MoE
     router losses; 0 for dense layers), stats are summed scalars, row_stats {name: [chunk rows,
     ...]} are per layer (the experts' loads), both without gradient.
-  last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss.
+  last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss (and what
+    else runs after the last layer, e.g. multi-token prediction); stats are summed arrays.
   """
 
   first: Callable

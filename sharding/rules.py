@@ -30,6 +30,9 @@ DEFAULT_RULES: Rules = (
     ("act_embed", ()),
     # weights
     ("layers", ("pipeline",)),
+    # The multi-token prediction modules' stacked dim (models/mtp.py): whole on every stage, as
+    # the last pipeline stage runs all of them after the model's last layer.
+    ("mtp_layers", ()),
     ("experts", ("expert",)),
     ("expert_bias", ()),  # MoE routing bias [E]: tiny, replicated (set by the train step)
     ("heads", ("tensor",)),
@@ -43,6 +46,8 @@ DEFAULT_RULES: Rules = (
     ("lookup_embed", ()),
     ("lookup_batch", ("data", "fsdp", "expert")),
     ("head_dim", ()),
+    # MLA's latents (q and kv, [.., R]): small (DeepSeek-V3: 1536 and 512 + 64), replicated.
+    ("latent", ()),
     ("norm", ()),
 )
 

@@ -30,6 +30,7 @@ class Result:
   grads: list[np.ndarray]  # at the initial parameters
   initial_params: list[np.ndarray]
   params: list[np.ndarray]  # after STEPS optimizer steps
+  metrics: list[dict] = dataclasses.field(default_factory=list)  # every metric, per step
 
 
 def config(mesh_cfg: sharding.MeshConfig, *, microbatches: int = 1, remat: str = "none",
@@ -78,13 +79,14 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
                                                    grads_fn(state.params, batch)[0]),
                              in_shardings=(trainer.shardings, trainer.batch_sharding),
                              out_shardings=(trainer.shardings, sharding.replicated(), None))
-    state, losses, grads = trainer.state, [], None
+    state, losses, grads, steps = trainer.state, [], None, []
     initial = leaves(state.params)
     for batch in batches():
       state, metrics, step_grads = step_and_grads(state, trainer.to_device(batch))
       grads = grads or leaves(step_grads)
       losses.append(float(metrics["loss"]))
-  return Result(losses, grads, initial, leaves(state.params))
+      steps.append({k: float(v) for k, v in metrics.items()})
+  return Result(losses, grads, initial, leaves(state.params), steps)
 
 
 def compile_step(mesh_cfg: sharding.MeshConfig, **kw):

@@ -1,15 +1,24 @@
 """Context parallelism: ring and all-gather attention over `context`, with the load-balanced
-(zigzag) sequence order, equal to one device; constant memory per device; the ring's traffic."""
+(zigzag) sequence order, equal to one device; constant memory per device; the ring's traffic;
+the kernels with a sliding window (the ring's hops cut to those the window reaches) and with
+v's head dim other than q's (MLA), against kernels/reference.py."""
 
 import collections
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec as P
 
+from kernels import allgather_attention, ring_attention
+from kernels import reference as oracle
+from kernels.ring_attention import ring_hops
 from models import ModelConfig
-from sharding import MeshConfig
+from models.config import MLAConfig
+from sharding import LayoutError, MeshConfig, layout_of
 from sharding.xla import hlo
 from sharding.context_parallel import zigzag_permutation
 from tests import parallel_harness as harness
@@ -35,6 +44,15 @@ ALLGATHER = dataclasses.replace(harness.MODEL, context_impl="allgather")
 def test_context_parallel_equals_one_device(mesh, options, reference):  # noqa: F811
   """Causal attention over packed sequences (2 documents per row) with the sequence split."""
   assert_same_training(harness.run(MeshConfig(**{"data": 1, **mesh}), **options), reference)
+
+
+def test_mla_with_a_window_trains_like_one_device_under_context():
+  """MLA (v's head dim 4, q/k's 10) with a window of 5 in every layer, context=2 x data=4."""
+  model = dataclasses.replace(harness.MODEL, num_kv_heads=16, head_dim=10, sliding_window=5,
+                              mla=MLAConfig(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
+                                            qk_rope_head_dim=4, v_head_dim=4))
+  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model)
+  assert_same_training(harness.run(MeshConfig(data=4, context=2), model=model), ref)
 
 
 def test_ring_and_allgather_agree():
@@ -99,6 +117,14 @@ def test_sequence_must_split_into_two_chunks_per_device():
     Trainer(cfg)
 
 
+def test_a_sliding_window_needs_one_chunk_per_device():
+  """The contiguous order a window runs in splits the sequence into `context` blocks only."""
+  windowed = dataclasses.replace(MEMORY_MODEL, sliding_window=4)
+  layout_of(MeshConfig(data=1, context=8), 8, windowed, batch_size=1, seq_len=8 * 3)
+  with pytest.raises(LayoutError, match=r"seq_len=20 is not divisible by context = 8"):
+    layout_of(MeshConfig(data=1, context=8), 8, windowed, batch_size=1, seq_len=20)
+
+
 def test_accumulation_with_the_sequence_split_reduces_over_data_once_per_step():
   """context=2 x data=4, 4 microbatches: each data-parallel replica accumulates its own partial
   gradients (the context attention runs inside the replicas' vmap), so the reductions over the
@@ -113,3 +139,98 @@ def test_accumulation_with_the_sequence_split_reduces_over_data_once_per_step():
   assert accumulated and all(c.count == 1 for c in accumulated)
   assert sum(c.bytes for c in accumulated) == pytest.approx(
       sum(c.bytes * c.count for c in once), rel=0.001)
+
+
+# The kernels alone, under a context=4 shard_map: rows of 32 tokens (8 per device), two packed
+# documents per row with positions restarting at each, GQA (4 query heads over 2 kv heads).
+PARTS, ROW = 4, 32
+LOCAL = ROW // PARTS
+
+
+def kernel_inputs(v_dim=8, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (2, ROW, 4, 8))
+  k = jax.random.normal(keys[1], (2, ROW, 2, 8))
+  v = jax.random.normal(keys[2], (2, ROW, 2, v_dim))
+  index, cut = np.arange(ROW)[None], np.asarray([[11], [21]])  # cuts inside blocks 1 and 2
+  positions = jnp.asarray(np.where(index < cut, index, index - cut), jnp.int32)
+  segments = jnp.asarray(np.where(index < cut, 1, 2), jnp.int32)
+  return q, k, v, positions, segments
+
+
+def sharded(kernel, **kw):
+  """kernel over a context=4 mesh, taking and returning whole [B, ROW, ...] arrays."""
+  mesh = Mesh(np.asarray(jax.devices()[:PARTS]), ("context",))
+  tokens = P(None, "context")
+  return jax.shard_map(functools.partial(kernel, axis_name="context", **kw), mesh=mesh,
+                       in_specs=(tokens,) * 5, out_specs=tokens)
+
+
+def reference_attention(q, k, v, positions, segments, window):
+  """kernels/reference.attention, also for v's head dim e < q's d (MLA): v zero-padded to d."""
+  e = v.shape[-1]
+  v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - e)))
+  return oracle.attention(q, k, v, segments, causal=True, window=window)[..., :e]
+
+
+def value_and_grads(attention, inputs):
+  """(output, gradients of <output, a random cotangent> for q, k, v), one compiled program."""
+  cotangent = jax.random.normal(jax.random.key(7), (*inputs[0].shape[:-1], inputs[2].shape[-1]))
+
+  def both(q, k, v, positions, segments):
+    out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, positions, segments), q, k, v)
+    return out, pullback(cotangent)
+  return jax.jit(both)(*inputs)
+
+
+def assert_close(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,hops", [(3, 1), (LOCAL + 4, 2), (ROW + 8, PARTS - 1)],
+                         ids=["inside-a-block", "spans-2-blocks", "whole-row"])
+def test_windowed_ring_and_allgather_equal_the_reference(window, hops):
+  """Forward and gradients with packed documents, in the contiguous order the ring skips hops
+  in; with a window spanning 2 blocks, the ring also in the zigzag order (the window only masks
+  there: every hop runs)."""
+  assert ring_hops(PARTS, LOCAL, window, contiguous=True) == hops
+  inputs = kernel_inputs()
+  want = value_and_grads(lambda *a: reference_attention(*a, window), inputs)
+  assert_close(value_and_grads(sharded(ring_attention, window=window, contiguous=True), inputs),
+               want)
+  assert_close(value_and_grads(sharded(allgather_attention, window=window), inputs), want)
+  if hops == 2:
+    order = zigzag_permutation(ROW, PARTS)
+    zig = sharded(ring_attention, window=window)
+    unzig = lambda *a: jnp.take(zig(*(jnp.take(x, order, axis=1) for x in a)),
+                                np.argsort(order), axis=1)
+    assert_close(value_and_grads(unzig, inputs), want)
+
+
+def test_value_head_dim_other_than_query_head_dim():
+  """MLA: v's head dim (4) differs from q/k's (8): the ring with full causal attention, the
+  all-gather with a window."""
+  inputs = kernel_inputs(v_dim=4)
+  for kernel, window in ((ring_attention, 0), (allgather_attention, LOCAL + 4)):
+    want = value_and_grads(lambda *a: reference_attention(*a, window), inputs)
+    assert want[0].shape == (2, ROW, 4, 4)
+    assert_close(value_and_grads(sharded(kernel, window=window, contiguous=True), inputs), want)
+
+
+def test_the_windowed_ring_sends_only_the_hops_it_needs():
+  """Compiled forward and backward: a window of one block needs 1 hop where full causal
+  attention needs PARTS - 1; each hop moves K and V forward and their gradients back."""
+  inputs = kernel_inputs()
+
+  def permutes(window):
+    loss = lambda q, k, v: jnp.sum(
+        sharded(ring_attention, window=window, contiguous=True)(q, k, v, *inputs[3:]))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*inputs[:3]).compile().as_text()
+    return [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
+
+  block = 2 * LOCAL * 2 * 8 * 4  # one device's K (or V) block in bytes: [2, 8, 2, 8] float32
+  full, windowed = permutes(0), permutes(LOCAL)
+  assert sum(c.count for c in full) == 2 * 2 * (PARTS - 1)
+  assert sum(c.count for c in windowed) == 2 * 2 * 1
+  assert {c.bytes for c in full + windowed} == {block}

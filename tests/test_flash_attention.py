@@ -1,11 +1,13 @@
 """The Pallas flash-attention kernel in interpret mode: equal to the reference forward and
-backward, a different program (no [S, S] buffer), causal block skipping, and the sharded model.
+backward (also with a sliding window and with MLA's value head dim), a different program (no
+[S, S] buffer), causal and window block skipping (counted), and the sharded model.
 
 Errors are relative L2 norms ||kernel - reference|| / ||reference|| per tensor, against the
 float32 reference on the same (bf16-rounded) inputs: < 1e-5 for float32, < 2e-2 for bf16.
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -14,7 +16,9 @@ import numpy as np
 import pytest
 
 import sharding
+import kernels
 from kernels import BlockSizes, flash_attention, reference
+from kernels.flash_attention import visit_counts
 from tests import parallel_harness
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -40,7 +44,8 @@ def make_inputs(case, seed=0):
   rng = np.random.default_rng(seed)
   b, length, k, g, d = (case[x] for x in ("batch", "length", "kv_heads", "groups", "head_dim"))
   q = jnp.asarray(rng.normal(size=(b, length, k * g, d)), case["dtype"])
-  k_, v = (jnp.asarray(rng.normal(size=(b, length, k, d)), case["dtype"]) for _ in range(2))
+  k_, v = (jnp.asarray(rng.normal(size=(b, length, k, n)), case["dtype"])
+           for n in (d, case.get("v_head_dim", d)))
   segments = None
   if case["packed"]:  # 1-4 documents per row, boundaries anywhere (also inside blocks)
     cuts = np.sort(rng.integers(1, length, size=(b, 3)), axis=1)
@@ -80,6 +85,87 @@ def test_forward_and_gradients_equal_the_reference(case):
     assert rel_error(a, b) < TOLERANCE[case["dtype"]], (name, rel_error(a, b))
 
 
+# Windows below a block (5 < 16), not a multiple of one (40), past the length (64 >= 48, all
+# causal keys); MLA value head dims below and above q's (odd 48 padded to 64), also without
+# causality; packed or not, lengths padded to a multiple of 64. The first case's forward has
+# query blocks of padding that no key's window reaches (they visit no key block at all) inside
+# the backward's larger query blocks.
+WINDOW_AND_MLA_CASES = [
+    dict(batch=1, length=70, kv_heads=1, groups=2, head_dim=32, v_head_dim=32, causal=True,
+         window=5, packed=True, dtype="float32", blocks=BlockSizes(16, 16, 64, 32)),
+    dict(batch=2, length=100, kv_heads=2, groups=2, head_dim=64, v_head_dim=32, causal=True,
+         window=40, packed=False, dtype="bfloat16"),
+    dict(batch=1, length=48, kv_heads=1, groups=4, head_dim=48, v_head_dim=128, causal=True,
+         window=64, packed=True, dtype="float32"),
+    dict(batch=1, length=40, kv_heads=2, groups=1, head_dim=64, v_head_dim=16, causal=False,
+         window=0, packed=True, dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_AND_MLA_CASES, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items() if k in ("length", "head_dim", "v_head_dim", "window")))
+def test_window_and_mla_head_dims_equal_the_reference(case):
+  q, k, v, segments = make_inputs(case, seed=5)
+  options = dict(causal=case["causal"], window=case["window"])
+  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(*q.shape[:3], v.shape[3])),
+                          jnp.float32)
+  kernel = jax.jit(lambda q, k, v: outputs_and_grads(
+      lambda q, k, v: flash_attention(q, k, v, segments, interpret=True, **options,
+                                      block_sizes=case.get("blocks", SMALL_BLOCKS)),
+      q, k, v, cotangent))
+  expected = jax.jit(lambda q, k, v: outputs_and_grads(  # jitted: eager ops compile one by one
+      lambda q, k, v: reference.attention(q, k, v, segments, **options), q, k, v, cotangent))
+  for name, a, b in zip(("out", "dq", "dk", "dv"), kernel(q, k, v),
+                        expected(*(x.astype(jnp.float32) for x in (q, k, v)))):
+    assert a.dtype == q.dtype and a.shape == b.shape, name
+    assert rel_error(a, b) < TOLERANCE[case["dtype"]], (name, rel_error(a, b))
+
+
+def expected_visits(length: int, padded: int, rows: int, cols: int, window: int):
+  """[query blocks, key blocks] of `rows` x `cols` tiles: does some query (padding rows too, the
+  kernels compute them) see some key of the tile, by the causal and window geometry alone."""
+  r, c = np.arange(padded)[:, None], np.arange(padded)[None, :]
+  sees = (c <= r) & ((r - c < window) if window else True)
+  tiles = sees.reshape(padded // rows, rows, padded // cols, cols).any(axis=(1, 3))
+  real_rows, real_cols = np.arange(0, padded, rows) < length, np.arange(0, padded, cols) < length
+  return tiles, real_rows, real_cols
+
+
+def test_the_window_skips_key_and_query_blocks_outside_it():
+  """Each program's loop visits exactly the blocks the geometry needs: forward and dQ, key
+  blocks holding a real key in some row's window; dK/dV, query blocks holding a real row that
+  sees the key block, for each of the group's 2 heads. A window of 7 keys over 200 tokens
+  visits under half of causal's blocks."""
+  length, padded, kv_heads, groups = 200, 224, 1, 2  # padded to a multiple of 32
+  blocks = BlockSizes(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
+  case = dict(batch=1, length=length, kv_heads=kv_heads, groups=groups, head_dim=16,
+              packed=True, dtype="float32")
+  q, k, v, segments = make_inputs(case)
+  totals = {}
+  for window in (0, 7, 24):
+    got = jax.jit(functools.partial(visit_counts, window=window, block_sizes=blocks,
+                                    interpret=True))(q, k, v, segments)
+    tiles, real_q, real_k = expected_visits(length, padded, 32, 16, window)
+    want_fwd = (tiles & real_k[None]).sum(1)
+    tiles, real_q, real_k = expected_visits(length, padded, 16, 32, window)
+    want_dq, want_dkv = (tiles & real_k[None]).sum(1), groups * (tiles & real_q[:, None]).sum(0)
+    for name, want in (("fwd", want_fwd), ("dq", want_dq), ("dkv", want_dkv)):
+      count = np.asarray(got[name])
+      assert (count == want[:, None, None]).all(), (window, name, count[:, 0, 0], want)
+    totals[window] = {name: int(np.asarray(c).sum()) for name, c in got.items()}
+  for name in ("fwd", "dq", "dkv"):
+    assert 2 * totals[7][name] < totals[0][name], totals
+
+
+def test_the_attention_entry_point_runs_the_window_in_the_kernel():
+  case = dict(batch=1, length=40, kv_heads=1, groups=2, head_dim=16, packed=True,
+              dtype="float32")
+  q, k, v, segments = make_inputs(case)
+  got, want = jax.jit(lambda q, k, v: [kernels.attention(q, k, v, segments, impl=impl, window=9)
+                                        for impl in ("pallas_flash", "xla")])(q, k, v)
+  assert rel_error(got, want) < 1e-5
+
+
 def test_default_blocks_and_odd_head_dim_are_handled():
   """Default (H100) blocks shrink for a short sequence; a head dim of 48 is zero-padded to 64."""
   case = dict(batch=1, length=40, kv_heads=2, groups=2, head_dim=48, causal=True, packed=True,
@@ -98,6 +184,10 @@ def test_invalid_arguments_are_rejected_clearly():
     flash_attention(q, q, q, block_sizes=BlockSizes(block_k=48), interpret=True)
   with pytest.raises(ValueError, match="dtypes differ"):
     flash_attention(q, q.astype(jnp.bfloat16), q, interpret=True)
+  with pytest.raises(ValueError, match="do not fit q"):
+    flash_attention(q, q[..., :32], q, interpret=True)  # k's head dim is not q's (v's may be)
+  with pytest.raises(ValueError, match="window=8 must be 0 .none., or > 0 with causal"):
+    flash_attention(q, q, q, causal=False, window=8, interpret=True)
 
 
 def test_kernel_program_has_no_seq_by_seq_buffer():
@@ -165,7 +255,7 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
   segments = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   with trainer.context(), pytest.raises(sharding.LayoutError,
                                         match="'seq' is split over context=2"):
-    jax.eval_shape(_flash_per_device, q, kv, kv, segments)
+    jax.eval_shape(_flash_per_device(0), q, kv, kv, segments)
   with trainer.context(), sharding.record_constraints():
     jax.eval_shape(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())
 

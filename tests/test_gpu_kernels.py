@@ -1,6 +1,7 @@
-"""On an NVIDIA GPU (`make gpu-check`): the Pallas flash kernel (its Triton lowering) and cuDNN
-attention against the reference, forward and backward; the jax-triton RMSNorm; MoE dropless
-(`ragged_dot`) against the dense reference. tests/conftest.py says how these run elsewhere.
+"""On an NVIDIA GPU (`make gpu-check`): the Pallas flash kernel (its Triton lowering; also with a
+sliding window and with MLA's value head dim) and cuDNN attention against the reference, forward
+and backward; the jax-triton RMSNorm; MoE dropless (`ragged_dot`) against the dense reference.
+tests/conftest.py says how these run elsewhere.
 
 Inputs are fresh random numbers every run (the seed is recorded in the JUnit report). Errors are
 relative L2 norms ||got - want|| / ||want|| per tensor against a float32 reference computed at
@@ -43,17 +44,19 @@ def rel_error(got, want) -> float:
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def attention_inputs(key, batch, length, heads, kv_heads, head_dim, dtype, packed):
-  """q, k, v, segment ids (1-4 documents per row, boundaries anywhere) and an output cotangent."""
+def attention_inputs(key, batch, length, heads, kv_heads, head_dim, dtype, packed,
+                     v_head_dim=None):
+  """q, k, v (v's head dim v_head_dim, default head_dim), segment ids (1-4 documents per row,
+  boundaries anywhere) and an output cotangent."""
   kq, kk, kv, ks, kc = jax.random.split(key, 5)
   q = jax.random.normal(kq, (batch, length, heads, head_dim), dtype)
   k = jax.random.normal(kk, (batch, length, kv_heads, head_dim), dtype)
-  v = jax.random.normal(kv, (batch, length, kv_heads, head_dim), dtype)
+  v = jax.random.normal(kv, (batch, length, kv_heads, v_head_dim or head_dim), dtype)
   segments = None
   if packed:
     cuts = jnp.sort(jax.random.randint(ks, (batch, 3), 1, length), axis=1)
     segments = (jnp.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
-  cotangent = jax.random.normal(kc, q.shape, jnp.float32)
+  cotangent = jax.random.normal(kc, (*q.shape[:3], v.shape[3]), jnp.float32)
   return q, k, v, segments, cotangent
 
 
@@ -115,6 +118,40 @@ def test_flash_kernel_equals_the_reference(gpu, record_property, index):
   check_against_reference(
       lambda q, k, v, seg: flash_attention(q, k, v, seg, causal=case["causal"]), case, gpu,
       record_property, f"flash{index}")
+
+
+def window_and_mla_cases(gpu):
+  """GPU: Mistral-like windows (4096 of 16k tokens; 1000, not a multiple of any block, over
+  packed 4k), and DeepSeek-V3's MLA head dims (q/k 192, padded to 256 in the kernel; v 128)
+  with a window and without. Rehearsal: the same mixes at lengths the interpreter runs fast."""
+  return [
+      dict(causal=True, window=gpu.pick(4096, 24),
+           shape=dict(batch=1, length=gpu.pick(16384, 96), heads=8, kv_heads=2, head_dim=128,
+                      dtype="bfloat16", packed=False)),
+      dict(causal=True, window=gpu.pick(1000, 33),
+           shape=dict(batch=2, length=gpu.pick(4096, 80), heads=4, kv_heads=4, head_dim=64,
+                      dtype="float32", packed=True)),
+      dict(causal=True, shape=dict(batch=1, length=gpu.pick(4096, 64), heads=16, kv_heads=16,
+                                   head_dim=gpu.pick(192, 48), v_head_dim=gpu.pick(128, 32),
+                                   dtype="bfloat16", packed=True)),
+      dict(causal=True, window=gpu.pick(2048, 20),
+           shape=dict(batch=1, length=gpu.pick(8192, 72), heads=16, kv_heads=16,
+                      head_dim=gpu.pick(192, 48), v_head_dim=gpu.pick(128, 32),
+                      dtype="bfloat16", packed=False)),
+  ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_flash_kernel_with_a_window_or_mla_head_dims_equals_the_reference(gpu, record_property,
+                                                                          index):
+  """The kernel paths of issue [20]: key blocks outside the window skipped (forward, dQ, dK/dV),
+  and a value head dim other than q's (q/k and v padded to their own powers of two)."""
+  case = window_and_mla_cases(gpu)[index]
+  record_property("case", repr(case))
+  check_against_reference(
+      lambda q, k, v, seg: flash_attention(q, k, v, seg, causal=True,
+                                           window=case.get("window", 0)),
+      case, gpu, record_property, f"flash_window_mla{index}")
 
 
 def cudnn_attention(q, k, v, segments, causal):

@@ -212,7 +212,9 @@ def test_parameter_counts_built_total_active_and_estimator(name):
   if name == "mixtral_8x7b":  # published: 46.7B total, 12.9B active (arXiv:2401.04088)
     assert (round(built / 1e9, 1), round(per_token / 1e9, 1)) == (46.7, 12.9)
   spec = model_spec(cfg)  # leading dense layers included; the routing biases are not
-  biases = cfg.moe_layers() * cfg.moe.num_experts if cfg.moe.bias_update_rate else 0
+  # (one per MoE layer, and per multi-token-prediction module's MoE block)
+  biases = (cfg.moe_layers() + cfg.mtp_depth) * cfg.moe.num_experts \
+      if cfg.moe.bias_update_rate else 0
   assert spec.num_params() == pytest.approx(built - biases, rel=1e-12)
   assert spec.flops_per_token(4096) == pytest.approx(cfg.flops_per_token(4096), rel=1e-12)
   # Active parameters drive the FLOPs: 6 x (active matmul weights) + attention.

@@ -20,6 +20,7 @@ from sharding import MeshConfig
 from sharding.layout import Layout
 from sharding.plan import optimizer_cost
 from tests import parallel_harness as harness
+from tests.test_mla import mla_model
 from tests import training_runs
 from tests.test_parallel import assert_same_training
 from trainer.config import OptimConfig
@@ -87,11 +88,14 @@ def test_muon_partition_by_logical_names():
   for adamw in (names["embed"]["table"], names["head"]["w"], names["final_norm"]["scale"],
                 ("layers", "embed", None)):  # the last: an MoE router
     assert muon_dims(adamw) is None
-  # The analytic model counts exactly the parameters the optimizer gives Muon.
-  abstract = jax.eval_shape(lambda: init_params(harness.MODEL, jax.random.PRNGKey(0)))
-  sizes = jax.tree.map(lambda n, a: math.prod(a.shape) if muon_dims(n) else 0, names, abstract,
-                       is_leaf=lambda x: isinstance(x, tuple))
-  assert sum(jax.tree.leaves(sizes)) == optimizer_cost.muon_params(harness.MODEL)
+  # MLA: its latent projections are matrices from the latent.
+  assert muon_dims(("layers", "latent", "heads", "head_dim")) == ((1,), (2, 3))
+  # The analytic model counts exactly the parameters the optimizer gives Muon (MLA's too).
+  for model in (harness.MODEL, mla_model(q_lora_rank=8), mla_model(q_lora_rank=0)):
+    abstract = jax.eval_shape(lambda model=model: init_params(model, jax.random.PRNGKey(0)))
+    sizes = jax.tree.map(lambda n, a: math.prod(a.shape) if muon_dims(n) else 0,
+                         param_names(model), abstract, is_leaf=lambda x: isinstance(x, tuple))
+    assert sum(jax.tree.leaves(sizes)) == optimizer_cost.muon_params(model)
 
 
 def test_muon_under_fsdp8_equals_one_device(monkeypatch):

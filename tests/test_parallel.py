@@ -37,7 +37,10 @@ def assert_same_training(result, reference):
   assert len(result.grads) == len(reference.grads) > 0
   np.testing.assert_allclose(result.losses, reference.losses, rtol=LOSS_RTOL)
   for got, want in zip(result.grads, reference.grads):
-    assert relative_l2(got, want) <= GRAD_RTOL
+    if not np.any(want):  # a MoE routing bias: no gradient reaches it in any layout
+      assert not np.any(got)
+    else:
+      assert relative_l2(got, want) <= GRAD_RTOL
   for got, want, start in zip(result.params, reference.params, reference.initial_params):
     assert relative_l2(got - start, want - start) <= UPDATE_RTOL
 

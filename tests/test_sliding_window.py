@@ -1,5 +1,6 @@
 """Sliding-window attention (Mistral's, every layer): the mask, the XLA lowering, logits equal to
-transformers' MistralForCausalLM, export round trip, and training like one device."""
+transformers' MistralForCausalLM, export round trip, and training like one device (also under
+context parallelism, where the sequence stays in contiguous order and the ring cuts its hops)."""
 
 import dataclasses
 import json
@@ -14,8 +15,7 @@ from flax import nnx
 import kernels
 from kernels import reference
 from models import abstract_model, hf
-from models.config import ModelConfig
-from sharding import LayoutError, MeshConfig
+from sharding import MeshConfig
 from tests import parallel_harness as harness
 from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits, random_hf_model
 from tests.test_parallel import assert_same_training
@@ -76,21 +76,30 @@ def test_mistral_import_export_parity(tmp_path):
   np.testing.assert_array_equal(hf_logits(reloaded), expected)
 
 
-def test_a_windowed_model_trains_like_one_device_under_fsdp_and_tensor():
-  """A window of 5 on 16-token packed rows, fsdp=4 x tensor=2, at test_parallel.py's tolerances."""
-  model = dataclasses.replace(harness.MODEL, sliding_window=5)
-  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model)
+WINDOWED = dataclasses.replace(harness.MODEL, sliding_window=5)
+
+
+@pytest.fixture(scope="module")
+def windowed_reference():
+  """The windowed tiny model (a window of 5 on 16-token packed rows) trained on one device."""
+  return harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=WINDOWED)
+
+
+def test_a_windowed_model_trains_like_one_device_under_fsdp_and_tensor(windowed_reference):
+  """fsdp=4 x tensor=2, at test_parallel.py's tolerances."""
   full = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=harness.MODEL)
-  assert abs(full.losses[-1] - ref.losses[-1]) > 1e-4  # the window changes training
-  assert_same_training(harness.run(MeshConfig(data=1, fsdp=4, tensor=2), model=model), ref)
+  assert abs(full.losses[-1] - windowed_reference.losses[-1]) > 1e-4  # the window matters
+  assert_same_training(harness.run(MeshConfig(data=1, fsdp=4, tensor=2), model=WINDOWED),
+                       windowed_reference)
 
 
-def test_what_has_no_window_yet_is_refused_in_one_line():
-  with pytest.raises(ValueError, match="does not run in the pallas_flash kernel yet"):
-    ModelConfig(sliding_window=4, attention_impl="pallas_flash").validate()
-  with pytest.raises(LayoutError, match="does not run with context parallelism yet"):
-    harness.compile_step(MeshConfig(data=4, context=2),
-                         model=dataclasses.replace(harness.MODEL, sliding_window=5))
+@pytest.mark.parametrize("context", [2, 4], ids=["context=2,data=4", "context=4,data=2"])
+def test_a_windowed_model_trains_like_one_device_under_context(context, windowed_reference):
+  """The rows stay in the contiguous order and the ring runs the 1 hop a window of 5 reaches
+  (tests/test_context_parallel.py counts them): of 1 with 8 tokens per device, of 3 with 4 (so
+  a batch left in the zigzag order would miss keys there)."""
+  assert_same_training(harness.run(MeshConfig(data=8 // context, context=context),
+                                   model=WINDOWED), windowed_reference)
 
 
 def test_the_mistral_7b_preset_has_the_published_parameter_count():

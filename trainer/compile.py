@@ -7,6 +7,7 @@ the `gpu-aot` extra): a bad target config can crash XLA, and the crash must beco
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,10 +94,17 @@ def compile_for_gpus(cfg: TrainConfig, gpu: compiled_report.GpuTarget, hlo_path:
       raise ValueError(f"XLA crashed with {name} while compiling for {target} ({gpu.topology});"
                        f" check the target config {gpu.config_path}")
     if proc.returncode != 0 or not os.path.exists(response):
-      lines = [l for l in proc.stderr.strip().splitlines() if l.strip()] or ["no output"]
-      raise ValueError(f"compiling for {target} failed: {lines[-1]}")
+      raise ValueError(f"compiling for {target} failed: {_failure(proc.stderr)}")
     with open(response) as f:
       return compiled_report.from_json(json.load(f))
+
+
+def _failure(stderr: str) -> str:
+  """The line of a failed compile's stderr that says what failed: the exception's (JAX appends
+  a note on its filtered traceback after it), else the last line."""
+  lines = [l for l in stderr.strip().splitlines() if l.strip()] or ["no output"]
+  raised = [l for l in lines if re.match(r"\w+(Error|Exception)\b", l)]
+  return raised[-1] if raised else lines[-1]
 
 
 def _worker(request_path: str, response_path: str) -> None:

@@ -56,6 +56,8 @@ class StepConfig:
   moe_balance_weight: float = 0.0  # MoEConfig.load_balance_loss
   moe_z_weight: float = 0.0  # MoEConfig.router_z_loss
   moe_bias_rate: float = 0.0  # MoEConfig.bias_update_rate (aux-loss-free balancing)
+  mtp_depth: int = 0  # ModelConfig.mtp_depth: the multi-token prediction modules run (0: none)
+  mtp_weight: float = 0.0  # ModelConfig.mtp_loss_weight
 
   @classmethod
   def for_model(cls, model: ModelConfig, **step) -> "StepConfig":
@@ -64,7 +66,8 @@ class StepConfig:
     return cls(loss_impl=model.loss_impl, loss_chunk_size=model.loss_chunk_size,
                moe_balance_weight=moe.load_balance_loss if moe else 0.0,
                moe_z_weight=moe.router_z_loss if moe else 0.0,
-               moe_bias_rate=moe.bias_update_rate if moe else 0.0, **step)
+               moe_bias_rate=moe.bias_update_rate if moe else 0.0,
+               mtp_depth=model.mtp_depth, mtp_weight=model.mtp_loss_weight, **step)
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -210,6 +213,9 @@ class TrainConfig:
     if self.init_from and (not self.init_from.startswith("hf:") or self.init_from == "hf:"):
       raise ValueError(f"init_from must be empty or hf:<Hugging Face model directory>, got"
                        f" {self.init_from!r}")
+    if self.init_from and self.model.mtp_depth:
+      raise ValueError("init_from=hf:... loads no multi-token prediction weights (the Hugging Face"
+                       " formats here hold none): set model.mtp_depth=0, or train from scratch")
     config_checks.check_paths(self)
     presets.resolve(self.xla_preset)  # names the known presets if not one of them
 

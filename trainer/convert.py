@@ -168,6 +168,9 @@ def to_hf(src: str, out: str) -> None:
     shutil.copy(tokenizer, os.path.join(out, "tokenizer.json"))
     files.append("tokenizer.json")
   print(f"wrote {out}: {', '.join(files)}")
+  if model.mtp_depth:  # hf_mapping maps the main model only; its logits never use the modules
+    print(f"left out the {model.mtp_depth} multi-token prediction module(s): the Hugging Face"
+          " formats here have no place for them")
 
 
 def run(direction_from: str, direction_to: str, model_dir: str, out: str, workdir: str,

@@ -98,3 +98,73 @@ def moe_metrics(stats: dict, tokens) -> dict:
       "moe_load_max": jnp.max(jnp.where(real, share, -jnp.inf)),
       "moe_load_cv": jnp.sum(jnp.where(real, cv, 0.0)) / jnp.maximum(jnp.sum(real), 1),
   }
+
+
+def mtp_batch(batch: dict, depth: int) -> dict:
+  """The batch plus, for each multi-token prediction depth k = 1..depth, the tokens k positions
+  ahead (`mtp_inputs_k`: inputs[i + k]), the targets k positions ahead (`mtp_targets_k`:
+  targets[i + k] = t_{i+k+1}) and their mask (`mtp_mask_k`: loss_mask[i + k] where position
+  i + k is in the same document as i, 0 past the row's end). Shifts need the natural sequence
+  order: call it before any reordering (sharding.zigzag). Idempotent; depth 0: the batch."""
+  if not depth or f"mtp_mask_{depth}" in batch:
+    return batch
+  batch = dict(batch)
+  segments = batch["segment_ids"]
+  for k in range(1, depth + 1):
+    ahead = lambda x, k=k: jnp.pad(x[:, k:], ((0, 0), (0, k)))  # zeros past the end
+    same_document = ahead(segments) == segments
+    batch[f"mtp_inputs_{k}"] = ahead(batch["inputs"])
+    batch[f"mtp_targets_{k}"] = ahead(batch["targets"])
+    batch[f"mtp_mask_{k}"] = ahead(batch["loss_mask"]) * same_document
+  return batch
+
+
+def add_mtp_losses(model, loss_sum, stats: dict, x_BLD, batch: dict, cfg):
+  """Adds DeepSeek-V3's multi-token prediction loss: mtp_weight / D x the sum over depths k of
+  depth k's summed cross-entropy (`head_loss_sums` over the model's shared head, z-loss
+  included); divided like every sum by the batch's (main) tokens, this is the paper's
+  lambda / D x sum_k L_MTP^k, each a sum over the valid positions / T.
+
+  The modules' MoE blocks (if any) add their router losses as the model's layers do, with the
+  same weights (each a mean over the D blocks); their loads move their routing biases.
+
+  Args:
+    model: the Transformer (with `mtp`).
+    loss_sum, stats: the main loss and its stats.
+    x_BLD: the last layer's output before the final norm.
+    batch: with `mtp_batch`'s keys.
+    cfg: the StepConfig (mtp_depth, mtp_weight, loss settings, MoE weights).
+  Returns:
+    (loss_sum, stats + {"mtp_loss_sum": the unweighted sum over depths, "mtp_nll_sum" [D],
+    "mtp_tokens" [D]; with MoE blocks "mtp_moe_aux_sum", "mtp_moe_z_sum", "mtp_moe_dropped",
+    "mtp_moe_load" [D, E]}).
+  """
+  depths = range(1, cfg.mtp_depth + 1)
+  heads, aux = model.mtp_hidden(x_BLD, [batch[f"mtp_inputs_{k}"] for k in depths],
+                                batch["positions"], batch["segment_ids"])
+  sums, nll, tokens = [], [], []
+  for k, hidden in zip(depths, heads):
+    targets = {"targets": batch[f"mtp_targets_{k}"], "loss_mask": batch[f"mtp_mask_{k}"]}
+    depth_sum, depth_stats = head_loss_sums(model, hidden, targets, cfg)
+    sums.append(depth_sum)
+    nll.append(depth_stats["nll_sum"])
+    tokens.append(depth_stats["tokens"])
+  mtp_sum = sum(sums)
+  loss_sum = loss_sum + cfg.mtp_weight / cfg.mtp_depth * mtp_sum
+  stats = dict(stats, mtp_loss_sum=mtp_sum, mtp_nll_sum=jnp.stack(nll),
+               mtp_tokens=jnp.stack(tokens))
+  if aux:
+    loss_sum, moe = add_moe_losses(loss_sum, {}, aux, batch["loss_mask"],
+                                   cfg.moe_balance_weight, cfg.moe_z_weight)
+    stats.update({f"mtp_{name}": value for name, value in moe.items()})
+  return loss_sum, stats
+
+
+def mtp_metrics(stats: dict, tokens, weight: float) -> dict:
+  """Per-step multi-token prediction metrics: `mtp_loss`, what it adds to the loss, and
+  `mtp_nll_k`, depth k's mean cross-entropy over its own predicted tokens (like `nll`)."""
+  depth = stats["mtp_nll_sum"].shape[0]
+  metrics = {"mtp_loss": weight / depth * stats["mtp_loss_sum"] / tokens}
+  for k in range(depth):
+    metrics[f"mtp_nll_{k + 1}"] = stats["mtp_nll_sum"][k] / jnp.maximum(stats["mtp_tokens"][k], 1)
+  return metrics

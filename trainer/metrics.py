@@ -107,8 +107,9 @@ class Progress:
     if self.enabled and (step % self.log_every == 0 or step == self.steps
                          or "eval_loss" in values):
       tqdm.write(" ".join([f"step {step}/{self.steps}"] + [
-          f"{k} {values[k]:.4g}" for k in ("loss", "eval_loss", "grad_norm", "learning_rate",
-                                           "tokens_per_s", "mfu") if k in values]))
+          f"{k} {values[k]:.4g}" for k in ("loss", "mtp_loss", "eval_loss", "grad_norm",
+                                           "learning_rate", "tokens_per_s", "mfu")
+          if k in values]))
     self.last = values
     return values
 

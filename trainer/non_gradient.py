@@ -6,7 +6,8 @@
   and written into the parameters after the update.
 - MoE routing biases (DeepSeek-V3's aux-loss-free balancing, `expert_bias` [layers, E]): no
   gradient reaches them; after the update each moves by rate x sign(mean load - load) of the
-  step's routing counts.
+  step's routing counts: the model's layers' by stats["moe_load"], the multi-token prediction
+  modules' blocks (under `mtp`) by stats["mtp_moe_load"] [depth, E].
 """
 
 import jax
@@ -57,8 +58,10 @@ class NonGradient:
     biases moved by the step's expert loads (stats["moe_load"] [layers, E], when a MoE)."""
     params = jax.tree.map(lambda f, p, new: new if f else p, self.is_fp8, params, fp8_values)
     if "moe_load" in stats:
-      load = stats["moe_load"]
-      params = jax.tree.map(
-          lambda p, n: update_bias(p, load, self.bias_rate) if n[-1] == EXPERT_BIAS else p,
-          params, self.names, is_leaf=_is_names)
+      def move(path, p, n):
+        if n[-1] != EXPERT_BIAS:
+          return p
+        in_mtp = getattr(path[0], "key", None) == "mtp"
+        return update_bias(p, stats["mtp_moe_load" if in_mtp else "moe_load"], self.bias_rate)
+      params = jax.tree_util.tree_map_with_path(move, params, self.names, is_leaf=_is_names)
     return params

@@ -12,6 +12,9 @@ from models.fp8 import FP8_HISTORY
 from models.moe import EXPERT_BIAS
 from trainer.config import OptimConfig
 
+# The stacked dims of the layers and of the multi-token prediction modules: one matrix per row.
+_STACKED = ("layers", "mtp_layers")
+
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   """Linear warmup to the peak, then cosine decay to min_learning_rate_ratio x peak.
@@ -30,7 +33,7 @@ def decay_mask(cfg: OptimConfig, names) -> dict:
   """True for parameters that get weight decay, from their logical names: matrices yes; norm
   scales and the embedding table only when configured."""
   def decays(param_names):
-    dims = tuple(n for n in param_names if n != "layers")
+    dims = tuple(n for n in param_names if n not in _STACKED)
     if dims == ("norm",):
       return cfg.decay_norms
     if dims == ("vocab", "embed"):  # the input embedding table (also the head when tied)
@@ -51,20 +54,21 @@ def frozen_mask(names) -> dict:
 
 
 # Dims that index independent matrices of one parameter: each gets its own orthogonalization.
-_BATCH_DIMS = ("layers", "experts")
+_BATCH_DIMS = (*_STACKED, "experts")
 
 
 def muon_dims(names) -> MuonDimensionNumbers | None:
   """How Muon sees a parameter as fan-in x fan-out matrices, from its logical names; None: not a
   hidden matrix (embedding, head, norms, router, biases, fp8 state), which AdamW trains.
 
-  Projections are embed -> rest (q/k/v [D, H, Dh], gate/up [D, F]) or rest -> embed
-  (o [H, Dh, D], down [F, D]); `layers` and `experts` are batch dims.
+  Projections are embed -> rest (q/k/v [D, H, Dh], gate/up [D, F]), rest -> embed
+  (o [H, Dh, D], down [F, D]) or, in MLA, latent -> rest (q_b, kv_b [R, H, Dh]); the stacked
+  dims (`layers`, `mtp_layers`) and `experts` are batch dims.
   """
   if "vocab" in names or None in names or is_frozen(names):
     return None
   dims = [i for i, n in enumerate(names) if n not in _BATCH_DIMS]
-  if len(dims) < 2 or "embed" not in (names[i] for i in dims):
+  if len(dims) < 2 or not {"embed", "latent"} & {names[i] for i in dims}:
     return None
   if names[dims[-1]] == "embed":
     return MuonDimensionNumbers(tuple(dims[:-1]), (dims[-1],))

@@ -10,9 +10,10 @@ from trainer.config import StepConfig
 
 
 def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns:
-  """Embedding, a chunk of the layer stacks, and final norm + head + summed loss as pure
-  functions. The model is rebuilt from (shared weights, stacks) for each piece; pieces that do
-  not use the layers get zeros of a chunk's shape (unused, removed by XLA)."""
+  """Embedding, a chunk of the layer stacks, and final norm + head + summed loss (+ the
+  multi-token prediction loss) as pure functions. The model is rebuilt from (shared weights,
+  stacks) for each piece; pieces that do not use the layers get zeros of a chunk's shape
+  (unused, removed by XLA)."""
   placeholder = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layer_chunk_shape)
 
   def model_of(shared, stacks):
@@ -34,8 +35,14 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns
     return x, loss_sum, stats, {"moe_load": load}
 
   def last(shared, x, mb):
+    """Final norm, head and loss; with cfg.mtp_depth, the multi-token prediction modules (in
+    `shared`) on x before the norm and their loss, as make_loss_sums adds them (the microbatch
+    holds the shifted tokens, made in the natural order before the split)."""
     model = model_of(shared, placeholder())
-    return loss.head_loss_sums(model, model.final_norm(x), mb, cfg)
+    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), mb, cfg)
+    if cfg.mtp_depth:
+      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x, mb, cfg)
+    return loss_sum, stats
 
   return pipeline.StageFns(first, stage, last)
 

@@ -12,7 +12,7 @@ from sharding import (constrain, constrain_tree, excluding, gradient_replica_axe
 from sharding.pipeline import pipeline_stages
 from trainer import loss
 from trainer.config import StepConfig
-from trainer.loss import moe_metrics
+from trainer.loss import moe_metrics, mtp_metrics
 from trainer.non_gradient import NonGradient
 from trainer.pipeline_step import make_pipeline_grads_fn
 from trainer.state import TrainState
@@ -22,18 +22,23 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 def make_loss_sums(graphdef, cfg: StepConfig):
   """loss_sums(params, batch) -> (loss_sum, stats): the model's final hidden states through the
-  head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses."""
+  head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses and, with
+  cfg.mtp_depth, the multi-token prediction loss (trainer.loss.add_mtp_losses; the batch gets
+  its shifted targets here unless the caller added them before reordering the sequence)."""
   # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
   present = stage_split.present_rows(cfg.stage_layers, flat=True)
 
   def loss_sums(params, batch):
     model = nnx.merge(graphdef, params)
-    hidden, aux = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"],
-                               return_aux=True, present=present)
-    loss_sum, stats = loss.head_loss_sums(model, hidden, batch, cfg)
+    x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
+                              batch["segment_ids"], present)
+    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg)
     if aux:  # MoE layers: router losses join the loss, routing counts the stats
       loss_sum, stats = loss.add_moe_losses(loss_sum, stats, aux, batch["loss_mask"],
                                             cfg.moe_balance_weight, cfg.moe_z_weight)
+    if cfg.mtp_depth:  # multi-token prediction, from the last layer's output before the norm
+      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x,
+                                            loss.mtp_batch(batch, cfg.mtp_depth), cfg)
     return loss_sum, dict(stats, loss_sum=loss_sum)
   return loss_sums
 
@@ -81,7 +86,11 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
                                      is_fp8=state.is_fp8)
 
   def grads_fn(params, batch):
-    batch = zigzag(batch)  # load-balanced sequence order under context parallelism, else as is
+    batch = loss.mtp_batch(batch, cfg.mtp_depth)  # MTP's shifted targets: in the natural order
+    # The sequence order under context parallelism: load-balanced, or contiguous with a sliding
+    # window (sharding.context_parallel.load_balanced); unchanged without it. The model's
+    # attention reads the same window, so it knows which order it gets.
+    batch = zigzag(batch, nnx.merge(graphdef, params).config.sliding_window)
     if pipeline_stages() > 1:  # the one place a layout changes the computation's structure
       grads, stats = pipelined(params, batch)
       grads = state.normalize(grads, jnp.maximum(stats["tokens"], 1.0))
@@ -147,6 +156,8 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
     }
     if "moe_load" in stats:
       metrics.update(moe_metrics(stats, tokens))
+    if "mtp_loss_sum" in stats:
+      metrics.update(mtp_metrics(stats, tokens, cfg.mtp_weight))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_ema=loss_ema)
     return new_state, metrics
@@ -156,7 +167,8 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
 
 def make_eval_step(graphdef, cfg: StepConfig = StepConfig()):
   """Returns eval_step(params, batch) -> {"nll_sum", "tokens"} (sums, to average over batches)."""
-  loss_sums = make_loss_sums(graphdef, dataclasses.replace(cfg, z_loss=0.0))
+  # The main model's loss only: no z-loss, no multi-token prediction.
+  loss_sums = make_loss_sums(graphdef, dataclasses.replace(cfg, z_loss=0.0, mtp_depth=0))
 
   def eval_step(params, batch):
     _, stats = loss_sums(params, batch)

@@ -5,6 +5,7 @@ formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: s
 """
 
 import dataclasses
+from typing import Any
 
 from sharding import schedules
 from sharding.layout import Layout
@@ -28,6 +29,17 @@ class MoESpec:
   dense_layers: int = 0
 
 
+def attention_span(seq_len: int, window: int = 0, full_every: int = 0) -> float:
+  """Twice the mean number of keys a query attends to, averaged over the layers: seq_len for
+  causal attention (the FLOP formulas' convention, s/2 keys a query), 2W - W^2/s for a window W
+  (min(i + 1, W) keys at query i); with `full_every` = N, every Nth layer attends fully."""
+  if not window or window >= seq_len:
+    return float(seq_len)
+  windowed = 2 * window - window * window / seq_len
+  full_share = 1 / full_every if full_every else 0.0
+  return full_share * seq_len + (1 - full_share) * windowed
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The numbers the estimator needs from a Llama-style model (ModelConfig duck-types to it)."""
@@ -44,10 +56,33 @@ class ModelSpec:
   # Fused attention (cuDNN, Pallas flash) keeps no score matrices; "xla" stores them.
   flash_attention: bool = False
   qk_norm: bool = False  # Qwen3: two more norm scales of head_dim per layer
+  mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (models/mtp.py)
+  # Multi-head latent attention: models.config.MLAConfig (or anything with its fields and
+  # `params`/`norm_params`); None: grouped-query attention.
+  mla: Any = None
+  sliding_window: int = 0  # models.config.ModelConfig's window and its full-attention period
+  full_attention_every: int = 0
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
+    if self.mla is not None:
+      return self.mla.params(d, self.num_heads)
     return 2 * d * self.num_heads * dh + 2 * d * self.num_kv_heads * dh  # q, o + k, v
+
+  def v_head_dim(self) -> int:
+    return self.head_dim if self.mla is None else self.mla.v_head_dim
+
+  def norm_params(self) -> int:
+    """A layer's norm scales: before attention and the MLP, QK-norm's, MLA's latent norms."""
+    mla = self.mla.norm_params() if self.mla is not None else 0
+    return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0) + mla
+
+  def attention_flops(self, seq_len: int) -> float:
+    """Training FLOPs of one layer's causal attention per token: QK^T over the q/k head dim and
+    AV over the v head dim, 2 x H x (Dh + Dv) x seq forward without the mask, halved by it, x3
+    with the backward."""
+    span = attention_span(seq_len, self.sliding_window, self.full_attention_every)
+    return 3 * self.num_heads * (self.head_dim + self.v_head_dim()) * span
 
   def moe_share(self) -> float:
     """The fraction of layers that are MoE layers (the per-layer figures below are means over
@@ -70,13 +105,30 @@ class ModelSpec:
         3 * d * self.mlp_dim * (1 - share)
 
   def layer_params(self) -> int:
-    norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
-    return self.attention_params() + self.dense_mlp_params() + self.expert_params() + norms
+    return (self.attention_params() + self.dense_mlp_params() + self.expert_params()
+            + self.norm_params())
 
   def num_params(self) -> int:
     tables = 1 if self.tie_embeddings else 2
     return tables * self.vocab_size * self.embed_dim + self.num_layers * self.layer_params() + \
-        self.embed_dim
+        self.embed_dim + self.mtp_params()
+
+  def mtp_block(self, experts: int | None = None) -> tuple[float, float]:
+    """(matrices, norm scales) of one multi-token prediction block: a whole layer of the last
+    stack's kind (MoE: `experts` routed experts, all by default), not a mean over the layers."""
+    m, d = self.moe, self.embed_dim
+    norms = self.norm_params()
+    if not m:
+      return self.attention_params() + 3 * d * self.mlp_dim, norms
+    routed = m.num_experts if experts is None else experts
+    mlp = (routed + m.shared_experts) * 3 * d * m.expert_mlp_dim + d * m.num_experts
+    return self.attention_params() + mlp, norms
+
+  def mtp_params(self) -> float:
+    """The MTP modules: each its block, the [2D, D] projection and 3 norms (embedding, hidden,
+    output); the embedding and head are shared."""
+    d = self.embed_dim
+    return self.mtp_depth * (sum(self.mtp_block()) + 2 * d * d + 3 * d)
 
   def active_matmul_params(self) -> int:
     """Matmul weights one token passes through (experts: top-k only), head included."""
@@ -84,12 +136,14 @@ class ModelSpec:
     routed = m.experts_per_token * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() \
         if m else 0
     per_layer = self.attention_params() + self.dense_mlp_params() + routed
-    return self.num_layers * per_layer + self.vocab_size * self.embed_dim
+    mtp = self.mtp_block(m.experts_per_token if m else None)[0] + 2 * self.embed_dim ** 2
+    mtp = self.mtp_depth * (mtp + self.vocab_size * self.embed_dim)  # block, projection, head
+    return self.num_layers * per_layer + self.vocab_size * self.embed_dim + mtp
 
   def flops_per_token(self, seq_len: int) -> float:
     """Model FLOPs per trained token: 6 x active matmul params + 6 L H Dh seq (causal attention;
     the same formula as models.config.ModelConfig.flops_per_token, MoE counting active experts)."""
-    attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
+    attention = (self.num_layers + self.mtp_depth) * self.attention_flops(seq_len)
     return 6.0 * self.active_matmul_params() + attention
 
 
@@ -124,7 +178,9 @@ def model_spec(model) -> ModelSpec:
   flash = getattr(model, "attention_impl", "xla") in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
-                   flash, getattr(model, "qk_norm", False))
+                   flash, getattr(model, "qk_norm", False), getattr(model, "mtp_depth", 0),
+                   getattr(model, "mla", None), getattr(model, "sliding_window", 0),
+                   getattr(model, "full_attention_every", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +275,16 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   # One stage keeps the embedding and the last the head; tied tables live on both end stages.
   copies = 1 if m.tie_embeddings or lay.pipeline > 1 else 2
   tables = copies * m.vocab_size * m.embed_dim / lay.tensor
-  return ParamCounts(layers * per_layer, tables, layers * 2 * m.embed_dim + m.embed_dim, per_layer)
+  # Multi-token prediction modules, counted like the table: under pipeline parallelism the last
+  # stage holds them with the head, and the device estimated is the worst case (the most loaded
+  # stage's layers, a table, the modules). The block split like a layer, the [2D, D] projection
+  # by no tensor split.
+  matrices, norms = m.mtp_block()
+  experts = m.moe.num_experts * 3 * m.embed_dim * m.moe.expert_mlp_dim if m.moe else 0
+  mtp = m.mtp_depth * ((matrices - experts) / lay.tensor + experts / (lay.tensor * lay.expert)
+                       + 2 * m.embed_dim ** 2)
+  return ParamCounts(layers * per_layer + mtp, tables, layers * 2 * m.embed_dim + m.embed_dim
+                     + m.mtp_depth * (norms + 3 * m.embed_dim), per_layer)
 
 
 def shards(layout: Layout) -> tuple[int, int, int]:
@@ -272,9 +337,13 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama") -
     routed = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
         m.moe.num_experts
     ff = routed * m.moe_share() + ff * (1 - m.moe_share())
-  qkvo = 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.head_dim
+  qkvo = 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.v_head_dim()
+  latents = 0  # MLA: the compressed q and kv (with the rope key) and their norms' outputs,
+  if m.mla is not None:  # whole on every tensor-parallel device
+    latents = 2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
-  return ActivationTerms(4 * m.embed_dim * e, (qkvo + ff) * e, scores, m.embed_dim * e)
+  return ActivationTerms((4 * m.embed_dim + latents) * e, (qkvo + ff) * e, scores,
+                         m.embed_dim * e)
 
 
 def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
@@ -304,10 +373,14 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   terms = activation_terms(m, precision.act_bytes, formula)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
-  activations = per_layer * stage_layers(m, lay) * schedules.in_flight_microbatches(
-      lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
+  in_flight = schedules.in_flight_microbatches(lay.pipeline_schedule, lay.pipeline,
+                                               lay.microbatches, lay.virtual_stages)
+  # Each multi-token prediction module stores about a layer's activations and its own logits, for
+  # one microbatch: with pipeline stages the last one runs them, and its backward follows each
+  # of its forwards at once (sharding/pipeline.py recomputes the last position's forward there).
+  activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
-  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8)
+  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)
   temporaries = workspace_bytes
   if lay.remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \

@@ -153,6 +153,18 @@ class Collective:
     return self.count * per_op
 
 
+def ring_hops(m, context: int, seq_len: int) -> float:
+  """K/V blocks the ring passes on per layer, mean over the layers: context - 1, or with a sliding
+  window (contiguous order: kernels.ring_attention.ring_hops) only the blocks the window reaches;
+  with full_attention_every = N, every Nth layer makes every hop."""
+  full = context - 1
+  if not m.sliding_window:
+    return full
+  windowed = min(full, -(-(m.sliding_window - 1) // (seq_len // context)))
+  share = 1 / m.full_attention_every if m.full_attention_every else 0.0
+  return share * full + (1 - share) * windowed
+
+
 def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> list[Collective]:
   """The communication of one training step on one device (the most loaded stage).
 
@@ -236,9 +248,9 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
       out.append(Collective(("tensor",), "all-reduce", "tensor", act,
                             layer_passes * (4 + 2 * again) + 2 * ga, lay.tensor))
   if lay.context > 1:
-    kv = 2 * tokens * m.num_kv_heads * m.head_dim * pr.act_bytes / lay.tensor
-    out.append(Collective(("context",), "p2p", "context", kv, 3 * (lay.context - 1) * layer_passes,
-                          lay.context))
+    kv = tokens * m.num_kv_heads * (m.head_dim + m.v_head_dim()) * pr.act_bytes / lay.tensor
+    out.append(Collective(("context",), "p2p", "context", kv,
+                          3 * ring_hops(m, lay.context, seq_len) * layer_passes, lay.context))
   if lay.pipeline > 1:
     sent = act / (lay.tensor if lay.sequence_parallel else 1)
     out.append(Collective(("pipeline",), "p2p", "pipeline", sent,
@@ -261,7 +273,7 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
   # per model replica, per context shard
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
   per_layer = (m.active_matmul_params() - m.vocab_size * m.embed_dim) / m.num_layers
-  attention = 6 * m.num_heads * m.head_dim * seq_len
+  attention = m.attention_flops(seq_len)
   recompute = {"none": 0.0, "selective": attention / 3,
                "full": 2 * per_layer + attention / 3}[lay.remat]
   # The most loaded stage sets the time: uneven stages count their padded share of layers.

@@ -15,8 +15,14 @@ def muon_matrices(model) -> list[tuple[int, int, int]]:
   dense (or shared-expert) SwiGLU and each routed expert's; the router, embedding, head and
   norms are trained by AdamW (trainer/optim.py muon_dims)."""
   m = model_spec(model)
-  d, dh = m.embed_dim, m.head_dim
-  out = [(1, d, m.num_heads * dh), (2, d, m.num_kv_heads * dh), (1, m.num_heads * dh, d)]
+  d, dh, h = m.embed_dim, m.head_dim, m.num_heads
+  out = [(1, d, h * dh), (2, d, m.num_kv_heads * dh), (1, h * dh, d)]
+  if m.mla is not None:  # q (from its latent or x), kv latent + rope key, kv up, o
+    a = m.mla
+    q = [(1, d, a.q_lora_rank), (1, a.q_lora_rank, h * dh)] if a.q_lora_rank else [(1, d, h * dh)]
+    out = q + [(1, d, a.kv_lora_rank + a.qk_rope_head_dim),
+               (1, a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim)),
+               (1, h * a.v_head_dim, d)]
   moe = m.moe
   if moe is None:
     out += [(2, d, m.mlp_dim), (1, m.mlp_dim, d)]

@@ -23,12 +23,13 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
   if m.embed_dim % (lay.fsdp * (lay.data if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
-  # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring).
+  # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
+  # or with a sliding window into context contiguous ones (sharding.context_parallel).
   seq_split = lay.context * (lay.tensor if lay.sequence_parallel else 1) * \
-      (2 if lay.context > 1 else 1)
+      (2 if lay.context > 1 and not m.sliding_window else 1)
   if seq_len % seq_split:
-    errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, x tensor under"
-                  " sequence parallelism)")
+    errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, or context with a"
+                  " window; x tensor under sequence parallelism)")
   return errors
 
 
