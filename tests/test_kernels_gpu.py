@@ -56,6 +56,14 @@ def temp(fn):
 result["dense_loss_temp"] = temp(lambda h, w, t, m: loss.cross_entropy_sums(
     jnp.einsum("BLD,DV->BLV", h, w), t, m, 1e-4))
 result["chunked_loss_temp"] = temp(lambda *a: chunked_cross_entropy(*a, z_loss=1e-4, chunk=256))
+
+# The MoE's grouped matmul (dropless dispatch): 4096 rows sorted over 8 experts.
+grouped = jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32))
+text = grouped.lower(spec((4096, 1024), jnp.bfloat16), spec((8, 1024, 2048), jnp.bfloat16),
+                     spec((8,), jnp.int32)).compile().as_text()
+result["ragged_dot_rows_per_expert_copy"] = bool(re.search(r"\[4096,8,1024\]", text))
+result["ragged_dot_dense_gemm"] = bool(re.search(r"f32\[4096,2048\]\S* fusion\(\S+ = ", text) or
+                                       re.search(r"bf16\[4096,8192\]", text))
 print(json.dumps(result))
 """
 
@@ -86,6 +94,15 @@ def test_chunked_loss_on_h100_needs_a_tenth_of_the_dense_memory():
   """Vocab 128k x seq 4096, D 4096, bf16, loss and gradients on one H100."""
   result = kernels_on_h100()
   assert result["chunked_loss_temp"] * 10 <= result["dense_loss_temp"], result
+
+
+def test_xla_gpu_runs_ragged_dot_as_a_dense_matmul_over_every_expert():
+  """A fact the MoE's GPU cost rests on (README, expert parallelism): this jax's XLA:GPU lowers
+  ragged_dot to a masked copy of the rows per expert, [T, E, K], and one dense [T, E·K] x
+  [E·K, N] GEMM: E times the grouped FLOPs. When XLA gains a grouped GEMM this test fails, and
+  the README's note and the MoE's step-time figures must be revisited."""
+  result = kernels_on_h100()
+  assert result["ragged_dot_rows_per_expert_copy"] and result["ragged_dot_dense_gemm"], result
 
 
 # A small Llama where attention dominates activation memory: head dim 128, bf16, 2 layers.
