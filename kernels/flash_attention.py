@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from kernels.pallas_triton import out_type, triton_call
 
 # Letters: B batch, L query length, S key length (= L here), H query heads, K kv heads,
 # G = H / K query heads per kv head, d head dim of q and k, dv of v (MLA: dv != d). Inside
@@ -196,14 +197,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
   _store_count(count_ref, count)
 
 
-def _out_type(shape, dtype, *inputs):
-  """An output type that varies over every manual mesh axis an input varies over: inside
-  `jax.shard_map(check_vma=True)` Pallas asks how outputs vary; outside it this is empty."""
-  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
-  return jax.ShapeDtypeStruct(shape, dtype,
-                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-
-
 def _with_optional_segments(kernel, has_segments: bool):
   """Adapts a kernel taking `seg_ref` (4th) to a call that passes no segment ids."""
   if has_segments:
@@ -212,24 +205,14 @@ def _with_optional_segments(kernel, has_segments: bool):
 
 
 def _pallas(kernel, st: _Static, name: str, grid, out_specs, out_shape, **call_kw):
-  """pallas_call with the Triton CompilerParams (Mosaic GPU is the default lowering in this jax),
-  interpreted on CPU: with `interpret=None` the choice is made per lowering platform, so one
-  traced program runs on CPU and compiles for GPUs (including deviceless compiles). With
-  `count_visits` one more output: an int32 per program (its grid point), its loops' trip count."""
+  """The kernel's Triton call (kernels/pallas_triton.py). With `count_visits` one more output:
+  an int32 per program (its grid point), its loops' trip count."""
   if st.count_visits:
     out_specs = [*out_specs, pl.BlockSpec((1,) * len(grid), lambda *idx: idx)]
     out_shape = [*out_shape, jax.ShapeDtypeStruct(grid, jnp.int32)]
-
-  def run(interpret, *args):
-    return pl.pallas_call(
-        kernel, compiler_params=plt.CompilerParams(num_warps=st.num_warps,
-                                                   num_stages=st.num_stages),
-        interpret=interpret, name=name, grid=grid, out_specs=out_specs, out_shape=out_shape,
-        **call_kw)(*args)
-  if st.interpret is None:
-    return lambda *args: lax.platform_dependent(
-        *args, cpu=functools.partial(run, True), default=functools.partial(run, False))
-  return functools.partial(run, st.interpret)
+  return triton_call(kernel, name=name, interpret=st.interpret, num_warps=st.num_warps,
+                     num_stages=st.num_stages, grid=grid, out_specs=out_specs,
+                     out_shape=out_shape, **call_kw)
 
 
 def _row_specs(bq: int, *dims):
@@ -257,8 +240,8 @@ def _forward(q, k, v, seg, st: _Static):
       _with_optional_segments(kernel, st.has_segments), st, "flash_attention_fwd",
       grid=(length // bq, b, h), in_specs=[q_spec, k_spec, v_spec, *seg_specs],
       out_specs=[o_spec, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
-      out_shape=[_out_type((b, length, h, dv), q.dtype, *args),
-                 _out_type((b, h, length), jnp.float32, *args)])(*args)
+      out_shape=[out_type((b, length, h, dv), q.dtype, *args),
+                 out_type((b, h, length), jnp.float32, *args)])(*args)
 
 
 def _backward(q, k, v, seg, out, lse, do, st: _Static):
@@ -281,7 +264,7 @@ def _backward(q, k, v, seg, out, lse, do, st: _Static):
       _with_optional_segments(dq_kernel, st.has_segments), st, "flash_attention_dq",
       grid=(length // bq, b, h),
       in_specs=[q_spec, k_spec, v_spec, *seg_specs, do_spec, stat_spec, stat_spec],
-      out_specs=[q_spec], out_shape=[_out_type(q.shape, q.dtype, *inputs)],
+      out_specs=[q_spec], out_shape=[out_type(q.shape, q.dtype, *inputs)],
   )(*inputs)
 
   dkv_kernel = functools.partial(_dkv_kernel, st=st, bq=bq, bk=bk, groups=groups, padded=padded)
@@ -296,7 +279,7 @@ def _backward(q, k, v, seg, out, lse, do, st: _Static):
       in_specs=[q_group_spec, k_block_spec, v_block_spec, *seg_specs, do_group_spec,
                 group_stat_spec, group_stat_spec],
       out_specs=[k_block_spec, v_block_spec],
-      out_shape=[_out_type(k.shape, k.dtype, *inputs), _out_type(v.shape, v.dtype, *inputs)],
+      out_shape=[out_type(k.shape, k.dtype, *inputs), out_type(v.shape, v.dtype, *inputs)],
   )(*inputs)
   return dq[0], dkv[0], dkv[1], {"dq": dq[1], "dkv": dkv[2]} if st.count_visits else {}
 

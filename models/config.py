@@ -18,6 +18,7 @@ CONTEXT_IMPLS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
+GROUPED_MATMULS = ("auto", "ragged_dot", "pallas")
 FP8_RECIPES = ("delayed",)
 # Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
 # a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
@@ -83,6 +84,11 @@ class MoEConfig:
   # Dropless token exchange with expert > 1: "padded" all-to-all of worst-case buffers (works
   # everywhere), "ragged" all-to-all (GPU; XLA:CPU does not implement it), "auto": ragged on GPU.
   exchange: str = "auto"
+  # The dropless grouped matmul: "ragged_dot" (XLA's; on GPUs a dense GEMM over a masked copy
+  # of the rows per expert, E times the FLOPs), "pallas" (kernels/grouped_matmul.py: each row
+  # tile through its own experts only; Triton on GPUs, interpreted on CPU), "auto": pallas on
+  # GPUs, ragged_dot elsewhere.
+  grouped_matmul: str = "auto"
   # The top-k weights renormalized to sum 1 (Mixtral, DeepSeek-V3; Qwen3-MoE's norm_topk_prob);
   # False: the router's own probabilities of the chosen experts.
   normalize_top_k: bool = True
@@ -120,7 +126,8 @@ class MoEConfig:
         raise ValueError(f"model.moe.groups_per_token={self.groups_per_token} must be 1 to"
                          f" expert_groups={self.expert_groups}, keep at least experts_per_token="
                          f"{self.experts_per_token} experts, and groups need 2 experts each")
-    for name, allowed in (("router", ROUTERS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES)):
+    for name, allowed in (("router", ROUTERS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES),
+                          ("grouped_matmul", GROUPED_MATMULS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.moe.{name}={getattr(self, name)!r} is not one of {allowed}")
 

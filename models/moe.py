@@ -10,7 +10,8 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import Einsum, logical_param
 from models.mlp import MLP
-from sharding import constrain, dropless_experts
+from kernels.grouped_matmul import grouped_matmul
+from sharding import constrain, dropless_experts, platform
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
 # step updates it from the routing counts (DeepSeek-V3's auxiliary-loss-free balancing).
@@ -124,15 +125,25 @@ class Experts(nnx.Module):
     self.up = Einsum((e, d, f), self.NAMES[1], (1,), **kw)
     self.down = Einsum((e, f, d), self.NAMES[2], (1,), **kw)
     self.dtype = cfg.dtype
+    self.grouped_impl = cfg.moe.grouped_matmul
 
   def weights(self) -> tuple[jax.Array, ...]:
     return tuple(p.w[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
 
+  def resolved_grouped_matmul(self) -> str:
+    """`moe.grouped_matmul` on the current platform (the mesh's devices: "gpu" in a deviceless
+    GPU compile): "auto" is the Pallas kernel on GPUs, ragged_dot elsewhere."""
+    if self.grouped_impl != "auto":
+      return self.grouped_impl
+    return "pallas" if platform() in ("gpu", "cuda", "rocm") else "ragged_dot"
+
   def grouped(self, x_AD, group_sizes, gate, up, down):
-    """Rows grouped by expert through their expert's SwiGLU (jax.lax.ragged_dot)."""
-    hidden = jax.nn.silu(jax.lax.ragged_dot(x_AD, gate, group_sizes))
-    hidden = hidden * jax.lax.ragged_dot(x_AD, up, group_sizes)
-    return jax.lax.ragged_dot(hidden, down, group_sizes)
+    """Rows grouped by expert through their expert's SwiGLU (`moe.grouped_matmul`)."""
+    pallas = self.resolved_grouped_matmul() == "pallas"
+    matmul = grouped_matmul if pallas else jax.lax.ragged_dot
+    hidden = jax.nn.silu(matmul(x_AD, gate, group_sizes))
+    hidden = hidden * matmul(x_AD, up, group_sizes)
+    return matmul(hidden, down, group_sizes)
 
   def every_token(self, x_BLD) -> jax.Array:
     """Every expert on every token, [B, L, E, D] (the dense reference)."""
@@ -195,7 +206,8 @@ class MoE(nnx.Module):
     elif dispatch == "dropless":
       y = dropless_experts(self.experts.grouped, x_BLD.astype(self.dtype), ids, weights,
                            self.experts.weights(), Experts.NAMES, num_experts=self.num_experts,
-                           partial_over="mlp", exchange=self.exchange)
+                           partial_over="mlp", exchange=self.exchange,
+                           check_vma=self.experts.resolved_grouped_matmul() != "pallas")
     elif dispatch == "dense":
       mix = jnp.sum(jax.nn.one_hot(ids, self.num_experts) * weights[..., None], axis=2)
       y = jnp.einsum("BLE,BLED->BLD", mix.astype(self.dtype), self.experts.every_token(x_BLD))

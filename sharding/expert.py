@@ -18,7 +18,8 @@ EXCHANGES = ("auto", "padded", "ragged")
 def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
                      weights_BLk: jax.Array, params: Sequence[jax.Array],
                      param_names: Sequence[Names], *, num_experts: int,
-                     partial_over: str | None = None, exchange: str = "auto") -> jax.Array:
+                     partial_over: str | None = None, exchange: str = "auto",
+                     check_vma: bool = True) -> jax.Array:
   """y[t] = sum_k weights[t, k] * expert_fn_{ids[t, k]}(x[t]): every assignment computed.
 
   In a sharding context this runs per device under `jax.shard_map` over the whole mesh, with
@@ -41,6 +42,13 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
     num_experts: E.
     partial_over: logical name of param dims whose split makes expert_fn's output partial.
     exchange: "padded", "ragged" (XLA:CPU cannot run it) or "auto" (ragged on GPUs).
+    check_vma: False when expert_fn runs a Pallas kernel, whose outputs shard_map's
+      varying-axes check cannot type everywhere: the CPU interpreter re-evaluates the kernel on
+      device-varying blocks (sharding/shard_map.py says why), and under the data-parallel
+      replicas' vmap (gradient accumulation) pallas_call's batching keeps the output types it
+      was traced with, without the vmapped axis. Off, shard_map differentiates as before the
+      check existed (inputs a device does not split are summed at the region's boundary);
+      tests/test_grouped_matmul.py shows the gradients equal ragged_dot's.
   Returns:
     y [B, L, D] in x's dtype and sharding.
   """
@@ -77,19 +85,21 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
   if in_manual_region():
-    return _recomputed_in_backward(body, in_specs, token_spec)(x_BLD, ids_BLk, weights_BLk,
-                                                               *params)
-  mapped = jax.shard_map(body, mesh=ctx.mesh, in_specs=in_specs, out_specs=token_spec)
+    return _recomputed_in_backward(body, in_specs, token_spec, check_vma)(
+        x_BLD, ids_BLk, weights_BLk, *params)
+  mapped = jax.shard_map(body, mesh=ctx.mesh, in_specs=in_specs, out_specs=token_spec,
+                         check_vma=check_vma)
   return mapped(x_BLD, ids_BLk, weights_BLk, *params)
 
 
-def _recomputed_in_backward(body: Callable, in_specs, out_spec) -> Callable:
+def _recomputed_in_backward(body: Callable, in_specs, out_spec, check_vma: bool) -> Callable:
   """`body` under a shard_map nested in a pipeline stage's (which is manual over the pipeline
   axis), differentiated by a second shard_map that recomputes it: JAX's own differentiation of
   a nested shard_map names the residuals it keeps with the outer manual axis too, which Shardy
   rejects ("manual axes come before free axes"). The arguments are the only residuals here."""
   mesh = jax.sharding.get_abstract_mesh()
-  forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+  forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                          check_vma=check_vma)
 
   def per_device_vjp(g, x, ids, weights, *params):
     _, pullback = jax.vjp(lambda x, weights, *params: body(x, ids, weights, *params),
@@ -98,7 +108,7 @@ def _recomputed_in_backward(body: Callable, in_specs, out_spec) -> Callable:
 
   specs = (in_specs[0], in_specs[2], *in_specs[3:])
   backward = jax.shard_map(per_device_vjp, mesh=mesh, in_specs=(out_spec, *in_specs),
-                           out_specs=specs)
+                           out_specs=specs, check_vma=check_vma)
 
   @jax.custom_vjp
   def run(x, ids, weights, *params):

@@ -89,10 +89,10 @@ def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsa
   assert {name for name, r in tests.items() if r["outcome"] == "skipped"} == GPU_ONLY
   assert all(tests[name]["message"].startswith("rehearsal on the CPU") for name in GPU_ONLY)
   assert all(r["outcome"] == "passed" for name, r in tests.items() if name not in GPU_ONLY)
-  assert len(tests) == 19
+  assert len(tests) == 20
   assert all(r["properties"]["seed"] for r in rows if "test_gpu_kernels" in r.get("test", ""))
   summary = next(r for r in rows if "summary" in r)
-  assert summary["ok"] and summary["passed"] == 14 and summary["skipped"] == 5
+  assert summary["ok"] and summary["passed"] == 15 and summary["skipped"] == 5
 
 
 def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path):

@@ -243,3 +243,31 @@ def test_moe_dropless_equals_the_dense_reference(gpu, record_property, dtype):
       rel_error(a, b) for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads))]
   record_property("max_rel_error", max(errors))
   assert max(errors) < tolerance, errors
+
+
+def test_grouped_matmul_kernel_equals_ragged_dot(gpu, record_property):
+  """The MoE's grouped GEMM (kernels/grouped_matmul.py, Triton) against jax.lax.ragged_dot,
+  forward and gradients, bf16: 16k rows over 8 experts (one empty, rows past the groups), D 1024,
+  F 2048; the reference upcast to float32."""
+  rows, d, f = gpu.pick((16384, 1024, 2048), (96, 64, 128))
+  rng = np.random.default_rng(SEED % 1000)
+  sizes = rng.multinomial(rows - rows // 16, np.ones(8) / 8)
+  sizes[3] = 0
+  sizes = jnp.asarray(sizes, jnp.int32)
+  x = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(8, d, f)) / np.sqrt(d), jnp.bfloat16)
+  dy = jnp.asarray(rng.normal(size=(rows, f)), jnp.float32)
+  x, w, dy, sizes = jax.device_put((x, w, dy, sizes), gpu.device)
+
+  def grads(matmul, x, w):
+    return jax.jit(lambda x, w: jax.vjp(lambda x, w: matmul(x, w, sizes).astype(jnp.float32),
+                                        x, w)[1](dy))(x, w)
+
+  with jax.default_matmul_precision("highest"):
+    want = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    want_grads = grads(jax.lax.ragged_dot, x.astype(jnp.float32), w.astype(jnp.float32))
+  got = jax.jit(lambda x, w: kernels.grouped_matmul(x, w, sizes))(x, w)
+  errors = [rel_error(got, want)] + [rel_error(a, b) for a, b in
+                                     zip(grads(kernels.grouped_matmul, x, w), want_grads)]
+  record_property("max_rel_error", max(errors))
+  assert max(errors) < 2e-2, errors

@@ -1,0 +1,83 @@
+"""The MoE's grouped matmul kernel (kernels/grouped_matmul.py) in interpret mode: equal to
+jax.lax.ragged_dot forward and backward over ragged groups, and inside the MoE under expert
+parallelism; its program for H100 is in tests/test_kernels_gpu.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from kernels.grouped_matmul import GroupedBlocks, grouped_matmul
+from models.moe import MoE
+from sharding import MeshConfig
+from tests import parallel_harness as harness
+from tests.test_moe_parallel import MOE
+
+SMALL = GroupedBlocks(block_m=16, block_k=16, block_n=32)
+CASES = {  # rows, K, N, group sizes (empty groups, rows past the groups, tiles straddling groups)
+    "ragged": (100, 48, 72, [10, 0, 33, 40, 7]),
+    "one_group": (64, 32, 32, [64]),
+    "leading_empty_and_tail": (130, 64, 128, [0, 0, 50, 1]),
+}
+
+
+def rel_error(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", CASES)
+def test_equals_ragged_dot_forward_and_gradients(case, dtype):
+  rows, k, n, sizes = CASES[case]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+  w = jnp.asarray(rng.normal(size=(len(sizes), k, n)), dtype)
+  dy = jnp.asarray(rng.normal(size=(rows, n)), dtype)
+  sizes = jnp.asarray(sizes, jnp.int32)
+  kernel = jax.jit(lambda x, w: jax.vjp(
+      lambda x, w: grouped_matmul(x, w, sizes, blocks=SMALL, interpret=True), x, w))
+  got, pullback = kernel(x, w)
+  upcast = [a.astype(jnp.float32) for a in (x, w)]
+  want, want_pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), *upcast)
+  tolerance = {"float32": 1e-6, "bfloat16": 1e-2}[dtype]
+  for a, b in zip((got, *pullback(dy)), (want, *want_pullback(dy.astype(jnp.float32)))):
+    assert a.dtype == x.dtype and rel_error(a, b) < tolerance
+  # Not vacuous: every row through the first group's weights differs where there are several.
+  if len(CASES[case][3]) > 1:
+    assert rel_error(upcast[0] @ upcast[1][0], want) > 0.1
+
+
+def test_bad_arguments_are_refused_in_one_line():
+  x, w = jnp.zeros((8, 4)), jnp.zeros((2, 4, 8))
+  with pytest.raises(ValueError, match="wants x"):
+    grouped_matmul(x, w[:, :3], jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match="power of two"):
+    grouped_matmul(x, w, jnp.ones((2,), jnp.int32), blocks=GroupedBlocks(block_m=12))
+
+
+def test_the_moe_runs_the_kernel_under_expert_parallelism():
+  """expert=4 x fsdp=2 (the padded exchange, experts' hidden dims whole): the MoE with the kernel
+  gives ragged_dot's loss and gradients; the program really holds the kernel."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, harness.MODEL.embed_dim)),
+                  jnp.float32)
+  results = {}
+  for impl in ("ragged_dot", "pallas"):
+    cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=impl))
+    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+
+    def loss(state, x, graphdef=graphdef):
+      return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x, "dropless")[0]))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    with sharding.use_rules(sharding.make_mesh(MeshConfig(data=1, expert=4, fsdp=2))):
+      assert ("pallas_call" in str(jax.make_jaxpr(step)(state, x))) == (impl == "pallas")
+      results[impl] = jax.jit(step)(state, x)
+  (want_loss, want_grads), (got_loss, got_grads) = results["ragged_dot"], results["pallas"]
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)
