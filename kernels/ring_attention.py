@@ -9,6 +9,8 @@ L local queries, S keys, K kv heads, G query heads per kv head, d q/k head dim, 
 (different from d under MLA).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -58,6 +60,26 @@ def combine(out_a, lse_a, out_b, lse_b):
 _block = jax.checkpoint(block_attention, static_argnums=(7, 8))
 
 
+def _chunked_block(q, k, v, q_pos, k_pos, q_seg, k_seg, causal: bool, window: int, chunks: int):
+  """`_block` over the block's keys in `chunks` equal pieces, one after another (a scan; the
+  pieces combine exactly), so the scores alive are [L, S / chunks] a head: the USP hybrid's
+  blocks hold U times the ring's keys for 1/U of its heads, and this keeps its scores the
+  ring's size."""
+  if chunks == 1:
+    return _block(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, window)
+  size = k.shape[1] // chunks
+  piece = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)  # noqa: E731
+
+  def step(carry, i):
+    part = _block(q, piece(k, i), piece(v, i), q_pos, piece(k_pos, i), q_seg, piece(k_seg, i),
+                  causal, window)
+    return combine(*carry, *part), None
+
+  first = _block(q, piece(k, 0), piece(v, 0), q_pos, piece(k_pos, 0), q_seg, piece(k_seg, 0),
+                 causal, window)
+  return jax.lax.scan(step, first, jnp.arange(1, chunks))[0]
+
+
 def ring_hops(devices: int, local_length: int, window: int = 0, contiguous: bool = False) -> int:
   """Hops of the ring: N - 1, or with a causal window over the contiguous order (device i holds
   tokens [i·L, (i+1)·L)) the ceil((window - 1) / L) previous blocks a query can reach."""
@@ -67,7 +89,7 @@ def ring_hops(devices: int, local_length: int, window: int = 0, contiguous: bool
 
 
 def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool = True,
-                   window: int = 0, contiguous: bool = False):
+                   window: int = 0, contiguous: bool = False, key_chunks: int = 1):
   """Per-device ring attention: this device's queries against the K/V blocks it needs.
 
   K/V travel around the ring with `ppermute` (N - 1 steps, or fewer with a window; the transfer
@@ -88,6 +110,8 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool =
     axis_name: the mesh axis (or axes) splitting the sequence.
     window: > 0: each query sees only the keys less than `window` positions before it.
     contiguous: the sequence is in contiguous order over `axis_name` (else any order).
+    key_chunks: attend each received block in this many key pieces, one after another
+      (`_chunked_block`; it must divide L).
   Returns:
     [B, L, H, e] in q's dtype.
   """
@@ -105,7 +129,8 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool =
 
   ring = [(i, (i + 1) % n) for i in range(n)]
   k_pos, k_seg = block_meta(0)
-  out, lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal, window)
+  attend = functools.partial(_chunked_block, causal=causal, window=window, chunks=key_chunks)
+  out, lse = attend(q, k, v, positions, k_pos, segment_ids, k_seg)
 
   def step(carry, hop):
     # A scan, not a Python loop: its backward runs the blocks one after another, so only one
@@ -113,7 +138,7 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis_name, causal: bool =
     k, v, out, lse = carry
     k, v = jax.lax.ppermute((k, v), axis_name, ring)
     k_pos, k_seg = block_meta(hop)
-    block_out, block_lse = _block(q, k, v, positions, k_pos, segment_ids, k_seg, causal, window)
+    block_out, block_lse = attend(q, k, v, positions, k_pos, segment_ids, k_seg)
     out, lse = combine(out, lse, block_out, block_lse)
     return (k, v, out, lse), None
 

@@ -32,6 +32,23 @@ def _flash_per_device(window: int):
       what="pallas_flash attention", check_vma_on_cpu=False)
 
 
+def _whole_sequence(q, k, v, positions, segment_ids, *, impl: str, window: int):
+  """What Ulysses runs between its all-to-alls: the model's kernel over whole sequences (their
+  index order, which the Ulysses order keeps; positions are not needed)."""
+  del positions
+  return kernels.attention(q, k, v, segment_ids, causal=True, impl=impl, window=window)
+
+
+def context_kernel(context_impl: str, impl: str):
+  """The per-device context-parallel kernel of `context_impl` (sharding.context_attention gives
+  it the axes); Ulysses wraps the attention `impl` this trace runs."""
+  if context_impl == "ulysses":
+    return functools.partial(kernels.ulysses_attention,
+                             attend=functools.partial(_whole_sequence, impl=impl))
+  return {"ring": kernels.ring_attention, "allgather": kernels.allgather_attention,
+          "ulysses_ring": kernels.ulysses_ring_attention}[context_impl]
+
+
 class Attention(nnx.Module):
   """Llama attention: q/k/v column-split over heads, o row-split; K/V shared by head groups."""
 
@@ -50,7 +67,7 @@ class Attention(nnx.Module):
     self.rope = (dh, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.impl = cfg.attention_impl
-    self.context_impl = cfg.context_impl
+    self.context_impl, self.ulysses_degree = cfg.context_impl, cfg.ulysses_degree
     self.window = cfg.sliding_window
 
   def resolved_impl(self) -> str:
@@ -75,11 +92,13 @@ class Attention(nnx.Module):
     layer's sliding window (0: full attention); None: the model's."""
     window = self.window if window is None else window
     if sequence_axes():  # context parallelism: each device holds a part of the sequence
-      kernel = (kernels.ring_attention if self.context_impl == "ring"
-                else kernels.allgather_attention)
+      impl = self.resolved_impl()
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
-      out = context_attention(kernel, q, k, v, positions_BL, segments, window=window,
-                              model_window=self.window)
+      out = context_attention(context_kernel(self.context_impl, impl), q, k, v, positions_BL,
+                              segments, impl=self.context_impl, degree=self.ulysses_degree,
+                              window=window, model_window=self.window,
+                              check_vma_on_cpu=(self.context_impl, impl) != ("ulysses",
+                                                                             "pallas_flash"))
     elif (impl := self.resolved_impl()) == "pallas_flash":
       out = _flash_per_device(window)(q, k, v, segment_ids_BL)
     else:

@@ -3,6 +3,7 @@
 import dataclasses
 
 from kernels.attention import IMPLS as ATTENTION_IMPLS
+from sharding.context_parallel import CONTEXT_IMPLS, check_ulysses_degree
 from sharding.expert import EXCHANGES
 from sharding.layout import REMATS
 from sharding.plan.estimate import attention_span
@@ -14,7 +15,6 @@ LOSS_IMPLS = ("dense", "chunked")
 # batch dims. The names are the layout's (sharding.layout.REMATS: the analytic model's too).
 REMAT_POLICIES = dict(zip(REMATS, (None, "dots_with_no_batch_dims_saveable",
                                    "nothing_saveable")))
-CONTEXT_IMPLS = ("ring", "allgather")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
@@ -200,9 +200,10 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of activations and matmuls
   # "auto": a flash kernel on GPUs, the XLA reference on CPU (kernels/attention.resolve).
   attention_impl: str = "auto"
-  # With the sequence split over `context`: "ring" (K/V blocks passed around the devices) or
-  # "allgather" (K/V gathered, then attended locally).
+  # With the sequence split over `context`: "ring", "allgather", "ulysses" (head-split all-to-alls
+  # around any kernel) or "ulysses_ring" (USP; kernels/ulysses.py, sharding/context_parallel.py).
   context_impl: str = "ring"
+  ulysses_degree: int = 0  # ulysses: 0 (= the context size); ulysses_ring: its inner factor
   # How the output head meets the loss: "dense" materializes [B, L, V] logits; "chunked" runs
   # the head and the cross-entropy over sequence chunks of `loss_chunk_size` tokens, so only
   # [B, chunk, V] logits ever exist (kernels/cross_entropy.py). A model field, not a step one:
@@ -257,11 +258,11 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
     for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
-                          ("context_impl", CONTEXT_IMPLS),
-                          ("remat", tuple(REMAT_POLICIES)),
+                          ("context_impl", CONTEXT_IMPLS), ("remat", tuple(REMAT_POLICIES)),
                           ("dtype", DTYPES), ("param_dtype", DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {allowed}")
+    check_ulysses_degree(self.context_impl, self.ulysses_degree)
     if self.sliding_window < 0:
       raise ValueError(f"model.sliding_window must be >= 0 (0: full attention), got"
                        f" {self.sliding_window}")

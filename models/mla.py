@@ -48,6 +48,7 @@ class MLAttention(Attention):
     self.rope = (m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_factor,
                  cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.impl, self.context_impl, self.window = cfg.attention_impl, cfg.context_impl, cfg.sliding_window
+    self.ulysses_degree = cfg.ulysses_degree
 
   def project(self, x_BLD, positions_BL):
     """q, k [B, L, H, nope + rope] and v [B, L, H, v_head_dim], RoPE applied."""

@@ -1,15 +1,22 @@
-"""Context parallelism: the sequence order (load-balanced "zigzag", or contiguous for a sliding
-window) and the shard_map that runs per-device context attention over the mesh axes splitting
-the sequence. `load_balanced` is the one place the order is chosen: `zigzag` reorders the batch
-by it and `context_attention` tells the kernel which order it got."""
+"""Context parallelism: the sequence order (load-balanced "zigzag", or contiguous) and the
+shard_map that runs per-device context attention (ring, all-gather, Ulysses or their USP hybrid)
+over the mesh axes splitting the sequence. `load_balanced` is the one place the order is chosen:
+`zigzag` reorders the batch by it and `context_attention` tells the kernel which order it got."""
 
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from sharding.context import axes_of, constrain, current, mesh_sizes, spec
+from sharding.mesh import LayoutError
+
+CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")
+# The hybrid's two factors of `context`: axes of a mesh view that exists only inside its shard_map
+# (`factored`); the run's mesh keeps its six axes.
+RING_AXIS, ULYSSES_AXIS = "context_ring", "context_ulysses"
 
 
 def sequence_axes() -> tuple[str, ...]:
@@ -36,41 +43,99 @@ def zigzag_permutation(length: int, parts: int) -> np.ndarray:
                          for i in range(parts)])
 
 
-def load_balanced(window: int = 0) -> bool:
+def load_balanced(window: int = 0, impl: str = "ring") -> bool:
   """Whether a split sequence is in the zigzag order (else contiguous: device i holds the i-th
-  block). Full causal attention: zigzag, which balances the causal work. With a sliding window
-  every query attends at most `window` keys, so the contiguous order is balanced already (except
-  over the first window of the sequence, where queries have fewer keys), and it lets the ring
-  skip the hops no window reaches; zigzag would need hops in both directions."""
-  return not window
+  block). Full causal attention: zigzag, which balances the causal work of the ring (and of
+  the hybrid's ring, `kernels.ulysses_ring_attention`). With a sliding window every query
+  attends at most `window` keys, so the contiguous order is balanced already (except over the
+  first window of the sequence, where queries have fewer keys), and it lets the ring skip the
+  hops no window reaches; zigzag would need hops in both directions. Ulysses (`impl`
+  "ulysses"): contiguous, always: its all-to-all concatenates the blocks in device order, so
+  the kernel gets each sequence whole and in its natural order, which its causal mask (by
+  index) needs; every device attends whole sequences, so there is nothing to balance."""
+  return not window and impl != "ulysses"
 
 
-def zigzag(batch: dict, window: int = 0) -> dict:
+def zigzag(batch: dict, window: int = 0, impl: str = "ring") -> dict:
   """Reorders the sequence dim of every [B, L] batch array into the zigzag order when the
-  sequence is split and `load_balanced(window)` (identity otherwise). The loss is a sum over
-  tokens and attention masks come from positions and segment ids, so nothing has to be undone
-  afterwards. `window`: the model's sliding window (0: none)."""
+  sequence is split and `load_balanced(window, impl)` (identity otherwise). The loss is a sum
+  over tokens and attention masks come from positions and segment ids, so nothing has to be
+  undone afterwards. `window`: the model's sliding window (0: none); `impl`: its context_impl."""
   axes = sequence_axes()
-  if not axes or not load_balanced(window):
+  if not axes or not load_balanced(window, impl):
     return batch
   parts = int(np.prod([mesh_sizes(current().mesh)[a] for a in axes]))
   order = zigzag_permutation(next(iter(batch.values())).shape[1], parts)
   return {k: constrain(jnp.take(v, order, axis=1), ("batch", "seq")) for k, v in batch.items()}
 
 
-def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, window: int = 0,
-                      model_window: int | None = None,
+def check_ulysses_degree(impl: str, degree: int) -> None:
+  """One-line ValueError for a model.ulysses_degree its context_impl cannot take."""
+  if not {"ulysses": degree >= 0, "ulysses_ring": degree > 0}.get(impl, degree == 0):
+    raise ValueError(f"model.ulysses_degree={degree} does not fit model.context_impl={impl!r}:"
+                     " ulysses takes 0 or the context size, ulysses_ring its inner factor"
+                     " (> 0), ring and allgather 0")
+
+
+def ulysses_degree(impl: str, degree: int, context: int) -> int:
+  """The devices one Ulysses all-to-all spans: the whole context split for "ulysses" (degree 0
+  or `context`), the inner factor `degree` for "ulysses_ring", 1 (none) for the others."""
+  if impl == "ulysses":
+    return context
+  return degree if impl == "ulysses_ring" else 1
+
+
+def factored(mesh: Mesh, degree: int) -> Mesh:
+  """`mesh` with its `context` axis split into (RING_AXIS, ULYSSES_AXIS) = (context / degree,
+  degree), the Ulysses factor inner: context index c = ring position x degree + Ulysses index,
+  so the all-to-alls stay within groups of adjacent devices (the fastest links) and a sequence
+  split over `context` is split over (ring, Ulysses) alike.
+
+  Why a mesh view rather than `axis_index_groups` on one axis: jax 0.10's all_to_all rejects
+  index groups under vmap (NotImplementedError), which the gradient-accumulation replicas need
+  (trainer/step.py), and the ring would need group-aware gathers and index arithmetic; with two
+  real axes both kernels run unchanged. The view holds the same devices in the same order, so
+  the shard_map's inputs and outputs keep the run mesh's layout (no resharding)."""
+  names = list(mesh.axis_names)
+  i = names.index("context")
+  shape = list(mesh.devices.shape)
+  shape[i:i + 1] = [shape[i] // degree, degree]
+  types = list(mesh.axis_types)
+  types[i:i + 1] = [types[i]] * 2
+  return Mesh(mesh.devices.reshape(shape), (*names[:i], RING_AXIS, ULYSSES_AXIS, *names[i + 1:]),
+              axis_types=tuple(types))
+
+
+def _factor_spec(spec: PartitionSpec) -> PartitionSpec:
+  """A spec on the run's mesh, on the `factored` view: `context` becomes (ring, Ulysses)."""
+  def entry(axes):
+    if axes is None:
+      return None
+    axes = (axes,) if isinstance(axes, str) else axes
+    out = tuple(a for axis in axes for a in ((RING_AXIS, ULYSSES_AXIS) if axis == "context"
+                                             else (axis,)))
+    return out[0] if len(out) == 1 else out
+  return PartitionSpec(*(entry(axes) for axes in spec))
+
+
+def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, impl: str = "ring",
+                      degree: int = 0, window: int = 0, model_window: int | None = None,
+                      check_vma_on_cpu: bool = True,
                       q_names=("batch", "seq", "act_heads", "head_dim"),
                       kv_names=("batch", "seq", "act_kv_heads", "head_dim"), v_names=None):
   """Runs `kernel(q, k, v, positions, segment_ids, axis_name=..., window=..., contiguous=...)`
-  (kernels.ring_attention or allgather_attention) per device with the sequence split over the
-  context axes.
+  (kernels.ring_attention, allgather_attention, ulysses_attention or ulysses_ring_attention)
+  per device with the sequence split over the context axes.
 
+  `impl`: the model's context_impl, which chose the batch's order with `model_window`
+  (`zigzag(batch, model_window, impl)`); "ulysses_ring" also splits `context` into its ring and
+  Ulysses factors (`factored`, Ulysses `degree` inner) and hands the kernel both axis names.
   `window`: this layer's sliding window (0: full attention). `model_window`: the model's (None:
-  `window`), which chose the batch's order (`zigzag(batch, model_window)`): with one the batch
-  is in the contiguous order, and a windowed layer's ring skips the hops it does not need (a
-  full-attention layer of such a model runs every hop). v may have its own head dim (MLA) and
-  names (`v_names`, default `kv_names`); the output has q's names with v's head dim.
+  `window`): with one the batch is in the contiguous order, and a windowed layer's ring skips
+  the hops it does not need (a full-attention layer of such a model runs every hop). v may have
+  its own head dim (MLA) and names (`v_names`, default `kv_names`); the output has q's names
+  with v's head dim. `check_vma_on_cpu`: False for a Pallas kernel interpreted on CPU inside
+  the kernel (sharding.shard_map_logical says why).
 
   The shard_map is manual over every mesh axis, with specs from the logical names: attention is
   independent across batch rows and heads, so each device attends its own rows and heads over
@@ -80,16 +145,25 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, wind
   """
   axes = sequence_axes()
   token_names = (q_names[0], q_names[1])
-  q_spec = spec(q_names, q.shape, "context attention q")
-  k_spec = spec(kv_names, k.shape, "context attention k")
-  v_spec = spec(v_names or kv_names, v.shape, "context attention v")
+  specs = (spec(q_names, q.shape, "context attention q"),
+           spec(kv_names, k.shape, "context attention k"),
+           spec(v_names or kv_names, v.shape, "context attention v"),
+           spec(token_names, positions.shape, "context attention positions"),
+           spec(token_names, positions.shape, "context attention segment ids"))
   out_spec = spec(q_names, (*q.shape[:-1], v.shape[-1]), "context attention output")
-  token_spec = spec(token_names, positions.shape, "context attention positions")
-  contiguous = not load_balanced(window if model_window is None else model_window)
+  contiguous = not load_balanced(window if model_window is None else model_window, impl)
+  ctx = current()
+  mesh, axis_name = ctx.mesh, axes[0] if len(axes) == 1 else axes
+  if impl == "ulysses_ring":
+    if axes != ("context",):
+      raise LayoutError(f"context_impl=ulysses_ring factors the `context` axis, but the sequence"
+                        f" is split over {axes}; keep the `seq` rule at context alone")
+    mesh, axis_name = factored(mesh, degree), (RING_AXIS, ULYSSES_AXIS)
+    specs, out_spec = tuple(map(_factor_spec, specs)), _factor_spec(out_spec)
 
   def per_device(q, k, v, positions, segment_ids):
-    return kernel(q, k, v, positions, segment_ids, axis_name=axes[0] if len(axes) == 1 else axes,
-                  window=window, contiguous=contiguous)
+    return kernel(q, k, v, positions, segment_ids, axis_name=axis_name, window=window,
+                  contiguous=contiguous)
 
   # Inside the data-parallel replicas' vmap (gradient accumulation, trainer/step.py), JAX 0.10's
   # varying-axes check rejects the batched ring's transposes ("mul requires varying manual axes
@@ -97,8 +171,8 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, wind
   # (batch over the data axes, sequence over context, heads over tensor), so no value is
   # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
   # the result equal to one device.
-  ctx = current()
-  mapped = jax.shard_map(per_device, mesh=ctx.mesh,
-                         in_specs=(q_spec, k_spec, v_spec, token_spec, token_spec),
-                         out_specs=out_spec, check_vma=not ctx.excluded)
+  on_cpu = mesh.devices.flat[0].platform == "cpu"
+  check = not ctx.excluded and (check_vma_on_cpu or not on_cpu)
+  mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
+                         check_vma=check)
   return mapped(q, k, v, positions, segment_ids)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from sharding import schedules, stage_split
 from sharding.context import active, use_rules
-from sharding.context_parallel import load_balanced
+from sharding.context_parallel import load_balanced, ulysses_degree
 from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
                             parse_overrides, split_vocab_over_fsdp, with_overrides)
@@ -225,9 +225,12 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
     raise LayoutError("model.collective_matmul decomposes sequence parallelism's all-gather and"
                       " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
   # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,
-  # into 1 in the contiguous order a sliding window runs with.
+  # into 1 in the contiguous order a sliding window or Ulysses runs with.
   context, tensor = layout.context, layout.tensor
-  balanced = load_balanced(getattr(model, "sliding_window", 0))
+  impl = getattr(model, "context_impl", "ring")
+  if context > 1:
+    _check_ulysses(impl, getattr(model, "ulysses_degree", 0), context, model.num_heads // tensor)
+  balanced = load_balanced(getattr(model, "sliding_window", 0), impl)
   chunks = context * (2 if balanced and context > 1 else 1)
   seq_split = math.lcm(chunks, context * (tensor if layout.sequence_parallel else 1))
   if seq_len % seq_split:
@@ -236,6 +239,23 @@ def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
         [f"context x tensor = {context * tensor} (sequence parallelism)"]
         if layout.sequence_parallel else [])
     raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
+
+
+def _check_ulysses(impl: str, degree: int, context: int, local_heads: int) -> None:
+  """Ulysses' all-to-all splits each tensor shard's query heads over its degree: the degree must
+  divide them (kv heads fewer than the degree are replicated, kernels/ulysses.py), and the
+  hybrid's degree must divide `context` (the ring takes the rest)."""
+  if impl == "ulysses" and degree not in (0, context):
+    raise LayoutError(f"model.ulysses_degree={degree} with context_impl=ulysses must be 0 or"
+                      f" context={context} (for a part of it, use context_impl=ulysses_ring)")
+  if impl == "ulysses_ring" and context % degree:
+    raise LayoutError(f"model.ulysses_degree={degree} does not divide context={context}"
+                      " (ulysses_ring: Ulysses over that inner factor, the ring over the rest)")
+  degree = ulysses_degree(impl, degree, context)
+  if local_heads % degree:
+    raise LayoutError(f"Ulysses degree {degree} must divide the query heads per tensor shard"
+                      f" (num_heads / tensor = {local_heads}); kv heads fewer than the degree"
+                      " are replicated, query heads cannot be: lower the degree or tensor")
 
 
 @dataclasses.dataclass(frozen=True)

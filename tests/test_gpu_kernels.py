@@ -12,6 +12,7 @@ relative L2 norms ||got - want|| / ||want|| per tensor against a float32 referen
 """
 
 import dataclasses
+import functools
 import os
 import zlib
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 import kernels
 from kernels import flash_attention, reference
@@ -182,6 +184,28 @@ def test_cudnn_attention_with_a_sliding_window_equals_the_reference(gpu, record_
       lambda q, k, v, seg: kernels.attention(q, k, v, seg, causal=True, impl="cudnn",
                                              window=1024),
       case, gpu, record_property, "cudnn_window")
+
+
+def test_cudnn_under_ulysses_equals_the_reference(gpu, record_property):
+  """model.context_impl=ulysses with attention_impl=cudnn: the model's per-device kernel
+  (models.attention.context_kernel) over every GPU present, the sequence split over them; cuDNN
+  attends whole sequences between the all-to-alls (bf16, causal, packed, GQA 4: 2 kv heads,
+  replicated where the GPUs outnumber them). On one GPU the all-to-alls are trivial (degree 1):
+  it checks cuDNN through the wrapper; on 8 the exchange too."""
+  gpu.needs_gpu("cuDNN attention")
+  from models.attention import context_kernel
+  mesh = Mesh(np.asarray(jax.devices()), ("context",))
+  tokens = P(None, "context")
+  ulysses = jax.shard_map(functools.partial(context_kernel("ulysses", "cudnn"),
+                                            axis_name="context"),
+                          mesh=mesh, in_specs=(tokens,) * 5, out_specs=tokens)
+  case = dict(causal=True, shape=dict(batch=1, length=4096, heads=8, kv_heads=2, head_dim=128,
+                                      dtype="bfloat16", packed=True))
+  record_property("gpus", len(jax.devices()))
+  check_against_reference(
+      lambda q, k, v, seg: ulysses(q, k, v, jnp.broadcast_to(jnp.arange(seg.shape[1]), seg.shape),
+                                   seg),
+      case, gpu, record_property, "cudnn_ulysses")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

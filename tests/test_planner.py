@@ -56,8 +56,8 @@ def test_divisibility_is_checked_and_explained():
   assert "80 layers for pipeline=96 x virtual stages 1: every stage needs a layer" in \
       planner.divisibility_errors(model, Layout(tensor=8, pipeline=96), 4096)
   assert planner.divisibility_errors(model, Layout(context=3), 4096) == [
-      "seq 4096 not divisible by 6 (2 x context, or context with a window; x tensor under"
-      " sequence parallelism)"]
+      "seq 4096 not divisible by 6 (2 x context, or context with a window or Ulysses; x tensor"
+      " under sequence parallelism)"]
 
 
 def test_plan_ranks_fitting_layouts_and_explains_every_rejection():

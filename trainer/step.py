@@ -88,9 +88,10 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
   def grads_fn(params, batch):
     batch = loss.mtp_batch(batch, cfg.mtp_depth)  # MTP's shifted targets: in the natural order
     # The sequence order under context parallelism: load-balanced, or contiguous with a sliding
-    # window (sharding.context_parallel.load_balanced); unchanged without it. The model's
-    # attention reads the same window, so it knows which order it gets.
-    batch = zigzag(batch, nnx.merge(graphdef, params).config.sliding_window)
+    # window or Ulysses (sharding.context_parallel.load_balanced); unchanged without it. The
+    # model's attention reads the same window and impl, so it knows which order it gets.
+    model = nnx.merge(graphdef, params).config
+    batch = zigzag(batch, model.sliding_window, model.context_impl)
     if pipeline_stages() > 1:  # the one place a layout changes the computation's structure
       grads, stats = pipelined(params, batch)
       grads = state.normalize(grads, jnp.maximum(stats["tokens"], 1.0))

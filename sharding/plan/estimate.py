@@ -9,6 +9,7 @@ from typing import Any
 
 from sharding import schedules
 from sharding.layout import Layout
+from sharding.plan import context_parallel
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
@@ -62,6 +63,8 @@ class ModelSpec:
   mla: Any = None
   sliding_window: int = 0  # models.config.ModelConfig's window and its full-attention period
   full_attention_every: int = 0
+  context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
+  ulysses_degree: int = 0
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -180,7 +183,8 @@ def model_spec(model) -> ModelSpec:
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
                    flash, getattr(model, "qk_norm", False), getattr(model, "mtp_depth", 0),
                    getattr(model, "mla", None), getattr(model, "sliding_window", 0),
-                   getattr(model, "full_attention_every", 0))
+                   getattr(model, "full_attention_every", 0),
+                   getattr(model, "context_impl", "ring"), getattr(model, "ulysses_degree", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,12 +324,14 @@ class ActivationTerms:
   layer_input: float  # the residual stream entering the layer: all that full recomputation keeps
 
 
-def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama") -> ActivationTerms:
+def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
+                     kv_heads: float | None = None) -> ActivationTerms:
   """`playbook`: GPT blocks with dropout, sbh(34 + 5as/h) at 2 bytes, i.e. 10h + 24h + 5as
   (scaled by act_bytes/2). `llama`: our blocks (RMSNorm, GQA, SwiGLU, no dropout): norm inputs and
   outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
   element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
-  the probabilities, (8 + e) a s (nothing with fused flash attention)."""
+  the probabilities, (8 + e) a s (nothing with fused flash attention). `kv_heads`: the K that
+  attention keeps (default the model's; more where Ulysses replicates them)."""
   m, e = model, act_bytes
   if formula == "playbook":
     return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,
@@ -337,7 +343,7 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama") -
     routed = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
         m.moe.num_experts
     ff = routed * m.moe_share() + ff * (1 - m.moe_share())
-  qkvo = 2 * m.num_heads * m.head_dim + 2 * m.num_kv_heads * m.v_head_dim()
+  qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
   latents = 0  # MLA: the compressed q and kv (with the rope key) and their norms' outputs,
   if m.mla is not None:  # whole on every tensor-parallel device
     latents = 2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
@@ -370,7 +376,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
     m = dataclasses.replace(m, flash_attention=False)  # pipeline stages run the reference
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)
-  terms = activation_terms(m, precision.act_bytes, formula)
+  kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
+  terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
   in_flight = schedules.in_flight_microbatches(lay.pipeline_schedule, lay.pipeline,

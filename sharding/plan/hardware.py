@@ -8,6 +8,7 @@ import os
 from sharding import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
+from sharding.plan import context_parallel
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 
 # nanotron (the playbook's benchmarks) nests ranks as (pp, dp, tp): data parallelism inside nodes.
@@ -173,8 +174,10 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   all-gather each layer forward and again backward plus embedding/head once (2Psi_layers +
   Psi_rest) and a reduce-scatter, per microbatch; TP: 4 all-reduces of b s h per layer (+2 when
   recomputing fully); SP: 6 all-gathers + 4 reduce-scatters per layer; CP: K/V blocks passed
-  around the ring 3 times (forward, backward K/V and their gradients); PP: activations forward and
-  gradients backward per microbatch and virtual stage; EP: 4 all-to-alls per MoE layer.
+  around the ring 3 times (forward, backward K/V and their gradients), Ulysses' 4 all-to-alls per
+  layer forward (q, k, v, output) and 4 backward (+4 recomputing fully), the hybrid both over its
+  factors; PP: activations forward and gradients backward per microbatch and virtual stage; EP:
+  4 all-to-alls per MoE layer.
   """
   m, lay, pr = model_spec(model), layout, precision
   ga = lay.microbatches
@@ -247,10 +250,17 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     else:
       out.append(Collective(("tensor",), "all-reduce", "tensor", act,
                             layer_passes * (4 + 2 * again) + 2 * ga, lay.tensor))
-  if lay.context > 1:
-    kv = tokens * m.num_kv_heads * (m.head_dim + m.v_head_dim()) * pr.act_bytes / lay.tensor
+  ring, degree = context_parallel.factors(m, lay)
+  if ring > 1:  # the ring's hops (the hybrid's over its outer factor, Ulysses' kv heads)
+    kv = tokens * context_parallel.attended_kv_heads(m, lay) * (m.head_dim + m.v_head_dim()) * \
+        pr.act_bytes
     out.append(Collective(("context",), "p2p", "context", kv,
-                          3 * ring_hops(m, lay.context, seq_len) * layer_passes, lay.context))
+                          3 * ring_hops(m, ring, seq_len) * layer_passes, ring))
+  if degree > 1:  # Ulysses: q, k, v and the output forward, their gradients backward
+    again = 1 if lay.remat == "full" else 0
+    out.append(Collective(("context",), "all-to-all", "context",
+                          context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes) / 4,
+                          (8 + 4 * again) * layer_passes, degree))
   if lay.pipeline > 1:
     sent = act / (lay.tensor if lay.sequence_parallel else 1)
     out.append(Collective(("pipeline",), "p2p", "pipeline", sent,

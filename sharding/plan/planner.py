@@ -5,7 +5,7 @@ import dataclasses
 
 from sharding.layout import REMATS, Layout
 from sharding.mesh import AXES
-from sharding.plan import hardware
+from sharding.plan import context_parallel, hardware
 from sharding.plan.estimate import GB, Memory, ModelSpec, Precision, memory, model_spec
 
 
@@ -24,13 +24,13 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
   if m.embed_dim % (lay.fsdp * (lay.data if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
   # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
-  # or with a sliding window into context contiguous ones (sharding.context_parallel).
-  seq_split = lay.context * (lay.tensor if lay.sequence_parallel else 1) * \
-      (2 if lay.context > 1 and not m.sliding_window else 1)
+  # or with a sliding window or Ulysses into context contiguous ones (sharding.context_parallel).
+  seq_split = context_parallel.sequence_chunks(m, lay.context) * \
+      (lay.tensor if lay.sequence_parallel else 1)
   if seq_len % seq_split:
     errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, or context with a"
-                  " window; x tensor under sequence parallelism)")
-  return errors
+                  " window or Ulysses; x tensor under sequence parallelism)")
+  return errors + context_parallel.errors(m, lay)
 
 
 @dataclasses.dataclass
@@ -117,7 +117,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                              microbatches=per_replica // mbs, **model_split, **extra)
                 considered += 1
                 if lay.sequence_parallel and seq_len % (
-                    context * tensor * (2 if context > 1 else 1)):
+                    context_parallel.sequence_chunks(m, context) * tensor):
                   continue
                 mem = memory(m, lay, seq_len, precision)
                 if mem.total > hw.memory_bytes:

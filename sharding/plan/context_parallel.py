@@ -1,0 +1,58 @@
+"""The analytic side of context parallelism's impls (ring, allgather, ulysses, ulysses_ring): how
+each factors the context axis, the kv heads Ulysses attends, the bytes its all-to-alls move and
+the layouts it rules out. sharding/context_parallel.py and kernels/ulysses.py run them; `model`
+is a ModelSpec or anything with its field names."""
+
+import math
+
+from sharding.context_parallel import load_balanced, ulysses_degree
+
+
+def factors(model, layout) -> tuple[int, int]:
+  """(ring size, Ulysses degree) of the context axis: (context, 1) for ring and allgather,
+  (1, context) for ulysses, (context / degree, degree) for the hybrid."""
+  degree = ulysses_degree(getattr(model, "context_impl", "ring"),
+                          getattr(model, "ulysses_degree", 0), layout.context)
+  return max(1, layout.context // degree), degree
+
+
+def attended_kv_heads(model, layout) -> float:
+  """kv heads per tensor shard that attention holds: K / tensor, or under Ulysses lcm(K / tensor,
+  degree) (kernels/ulysses.kv_repeats: kv heads fewer than the degree are replicated)."""
+  local, degree = model.num_kv_heads / layout.tensor, factors(model, layout)[1]
+  return local if degree == 1 else math.lcm(max(1, int(local)), degree)
+
+
+def ulysses_payload(model, layout, tokens: float, act_bytes: int) -> float:
+  """Bytes one device's 4 forward all-to-alls of a layer move in all (q, k, v and the output,
+  before or after the exchange: the same size), for `tokens` local tokens. The backward sends
+  the gradients of the same 4 (their transposes)."""
+  heads = model.num_heads // layout.tensor + attended_kv_heads(model, layout)
+  return tokens * heads * (model.head_dim + model.v_head_dim()) * act_bytes
+
+
+def sequence_chunks(model, context: int) -> int:
+  """Chunks a sequence is cut into: 2 per device in the load-balanced (zigzag) order, 1 in the
+  contiguous one (a sliding window, or Ulysses)."""
+  balanced = load_balanced(getattr(model, "sliding_window", 0),
+                           getattr(model, "context_impl", "ring"))
+  return context * (2 if balanced and context > 1 else 1)
+
+
+def errors(model, layout) -> list[str]:
+  """The Ulysses constraints a layout breaks, as sentences (sharding.layout checks the same
+  before compiling): the hybrid's degree divides `context`, the degree divides the query heads
+  per tensor shard (kv heads fewer than it are replicated)."""
+  impl, degree = getattr(model, "context_impl", "ring"), getattr(model, "ulysses_degree", 0)
+  if layout.context == 1 or impl not in ("ulysses", "ulysses_ring"):
+    return []
+  if impl == "ulysses" and degree not in (0, layout.context):
+    return [f"ulysses_degree {degree} is neither 0 nor context={layout.context}"]
+  if impl == "ulysses_ring" and layout.context % degree:
+    return [f"context={layout.context} not divisible by ulysses_degree {degree}"]
+  degree = factors(model, layout)[1]
+  local = model.num_heads // layout.tensor
+  if local % degree:
+    return [f"query heads per tensor shard {local} not divisible by the Ulysses degree {degree}"
+            " (kv heads fewer than it are replicated, query heads cannot be)"]
+  return []
