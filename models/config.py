@@ -19,7 +19,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
 GROUPED_MATMULS = ("auto", "ragged_dot", "pallas")
-FP8_RECIPES = ("delayed",)
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
 # Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
 # a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
 FP8_TARGETS = ("attention", "mlp", "experts", "head")
@@ -27,11 +27,15 @@ FP8_TARGETS = ("attention", "mlp", "experts", "head")
 
 @dataclasses.dataclass(unsafe_hash=True)
 class Fp8Config:
-  """fp8 matmuls with per-tensor delayed scaling (models/fp8.py), off by default.
+  """fp8 matmuls, off by default: operands e4m3 forward, output gradients e5m2, float32 results.
 
-  Operands are e4m3 forward, output gradients e5m2. Each fp8 projection keeps an amax history of
-  `amax_history` steps for its input, weight and output gradient (in the params, so in the train
-  state and checkpoints); a tensor is scaled by fmax / max(history) / 2^margin before the cast.
+  The recipe says where each GEMM operand's scale (fmax / amax) comes from:
+    "delayed"     per tensor, from amax histories of `amax_history` steps (parameters, so in the
+                  train state; fmax / max(history) / 2^margin): a jump saturates (models/fp8).
+    "tensorwise"  per tensor, its current amax; no state, as the next two (models/fp8_current).
+    "rowwise"     per row of activations and column of weights (every GEMM, backward included).
+    "blockwise"   DeepSeek-V3: 1 x 128 tiles of activations and gradients, 128 x 128 weight
+                  blocks; contracted and weight dims of at most 128 or a multiple of 128.
   """
 
   enabled: bool = False
@@ -50,6 +54,9 @@ class Fp8Config:
     if self.amax_history <= 0 or self.margin < 0:
       raise ValueError(f"model.fp8.amax_history must be positive and model.fp8.margin >= 0, got"
                        f" {self.amax_history} and {self.margin}")
+    if self.margin and self.recipe != "delayed":
+      raise ValueError(f"model.fp8.margin={self.margin} is the delayed recipe's headroom;"
+                       f" recipe {self.recipe!r} scales by the current amax: set it to 0")
     unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
     if unknown:
       raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")

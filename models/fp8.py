@@ -16,6 +16,7 @@ is that history with this step's amax rolled in. The train step then *overwrites
 with it; the optimizer never moves them (trainer/optim.py freezes them, weight decay skips them).
 The amaxes are jnp.max over the whole logical array: under jit with GSPMD XLA reduces a sharded
 operand's max over all its shards (an all-reduce max), so every replica holds the same state.
+The current-scaling recipes (tensorwise, rowwise, blockwise) are in models/fp8_current.py.
 """
 
 import functools
@@ -29,11 +30,16 @@ FP8_HISTORY = "fp8_history"  # logical dim name of the amax histories (replicate
 HISTORIES = ("fp8_x", "fp8_w", "fp8_g")  # per projection: input, weight, output gradient
 
 
-def scale_from_history(history: jax.Array, dtype, margin: int) -> jax.Array:
-  """fmax / amax / 2^margin from the largest amax of the window; 1 before any amax is known."""
-  amax = jnp.max(history)
+def scale_from_amax(amax: jax.Array, dtype, margin: int = 0) -> jax.Array:
+  """fmax / amax / 2^margin, elementwise; 1 where the amax is 0 (nothing to scale) or not finite."""
+  amax = amax.astype(jnp.float32)
   scale = jnp.float32(jnp.finfo(dtype).max) / amax / (2.0 ** margin)
   return jnp.where((amax > 0) & jnp.isfinite(amax), scale, 1.0).astype(jnp.float32)
+
+
+def scale_from_history(history: jax.Array, dtype, margin: int) -> jax.Array:
+  """The scale from the largest amax of the window; 1 before any amax is known."""
+  return scale_from_amax(jnp.max(history), dtype, margin)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -48,7 +54,7 @@ def roll_in(history: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.concatenate([amax[None], history[:-1]])
 
 
-def _transposed(eqn: str) -> tuple[str, str]:
+def transposed(eqn: str) -> tuple[str, str]:
   """For `x,w->y`: the einsums giving dx from (dy, w) and dw from (x, dy)."""
   inputs, out = eqn.split("->")
   x, w = inputs.split(",")
@@ -84,7 +90,7 @@ def _backward(eqn, margin, residuals, g):
   qx, qw, sx, sw, x_history, w_history, g_history, w_zero = residuals
   sg = scale_from_history(g_history, E5M2, margin)
   qg = quantize(g, sg, E5M2)
-  dx_eqn, dw_eqn = _transposed(eqn)
+  dx_eqn, dw_eqn = transposed(eqn)
   dx = _dot(dx_eqn, qg, qw, sg, sw, g.dtype)
   dw = _dot(dw_eqn, qx, qg, sx, sg, w_zero.dtype)
   return dx, dw, x_history, w_history, roll_in(g_history, g)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import fp8 as fp8_ops
+from models.fp8_current import quantized_einsum
 from sharding import constrain, tokens_split
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
@@ -26,8 +27,9 @@ class Einsum(nnx.Module):
   """A projection `einsum(eqn, x, w)`; w has logical dim names and fan-in scaled init.
 
   The precision policy's casts happen here and only here (besides the loss): x and w to the
-  compute dtype, or, with `fp8` (a models.config.Fp8Config that applies), both to fp8 with
-  delayed scaling (models/fp8.py; the amax histories are parameters of this module).
+  compute dtype, or, with `fp8` (a models.config.Fp8Config that applies), both to fp8 with its
+  recipe: delayed scaling (models/fp8.py; the amax histories are parameters of this module, and
+  only this recipe has them) or a current-scaling one (models/fp8_current.py: no state).
   """
 
   def __init__(self, shape: Sequence[int], names: Sequence[str], fan_in_dims: Sequence[int], *,
@@ -37,16 +39,19 @@ class Einsum(nnx.Module):
                                                 in_axis=tuple(fan_in_dims), out_axis=out_dims)
     self.w = logical_param(init(rngs.params(), tuple(shape), param_dtype), names)
     self.dtype = dtype
-    self.fp8_margin = fp8.margin if fp8 is not None else None  # a plain int: static
-    if fp8 is not None:
+    self.fp8_recipe = fp8.recipe if fp8 is not None else None  # plain str and int: static
+    self.fp8_margin = fp8.margin if fp8 is not None else None
+    if self.fp8_recipe == "delayed":
       for name in fp8_ops.HISTORIES:  # float32 whatever the param dtype: amaxes span decades
         setattr(self, name, logical_param(jnp.zeros((fp8.amax_history,), jnp.float32),
                                           (fp8_ops.FP8_HISTORY,)))
 
   def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-    if self.fp8_margin is not None:
+    if self.fp8_recipe == "delayed":
       return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x.astype(self.dtype), self.w[...],
                                 *(getattr(self, n)[...] for n in fp8_ops.HISTORIES))
+    if self.fp8_recipe is not None:
+      return quantized_einsum(self.fp8_recipe, eqn, x.astype(self.dtype), self.w[...])
     x, w = x.astype(self.dtype), self.w[...].astype(self.dtype)
     if eqn.startswith("BL") and "->BL" in eqn and not tokens_split():
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The

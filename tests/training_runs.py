@@ -11,12 +11,14 @@ from models.config import Fp8Config
 from trainer.trainer import Trainer
 
 
-def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: str = "adamw"):
-  """The tiny Llama of tests/test_train.py (2 layers, d 64) on one device, batch 16 x 64."""
+def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: str = "adamw",
+           recipe: str = "delayed", mlp_dim: int = 192):
+  """The tiny Llama of tests/test_train.py (2 layers, d 64) on one device, batch 16 x 64; fp8
+  with `recipe` (blockwise needs an mlp_dim of at most 128 or a multiple of 128)."""
   cfg = llama.debug()
-  cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 2, 64, 192
+  cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 2, 64, mlp_dim
   cfg.model.dtype = dtype
-  cfg.model.fp8 = Fp8Config(enabled=fp8)
+  cfg.model.fp8 = Fp8Config(enabled=fp8, recipe=recipe)
   cfg.optim = dataclasses.replace(cfg.optim, name=optimizer)
   cfg.steps, cfg.batch_size, cfg.seq_len = steps, 16, 64
   return cfg

@@ -1,0 +1,183 @@
+"""fp8 projections with current scaling: the tensorwise, rowwise and blockwise recipes.
+
+Delayed scaling (models/fp8.py) scales a tensor by the amaxes of earlier steps; these recipes scale
+it by its own amax, taken as it is quantized, so they keep no state and never saturate:
+
+  tensorwise  one scale per operand (torchao's Float8Linear "tensorwise", as torchtitan runs it).
+  rowwise     one scale per index of an operand's non-contracted dims, the amax over its contracted
+              dims: per row of activations, per column of weights (torchao's "rowwise").
+  blockwise   DeepSeek-V3: activations and gradients in 1 x 128 tiles (one scale per index of the
+              non-contracted dims and per 128 elements of the flattened contracted dims), weights
+              in 128 x 128 blocks (per 128 contracted x 128 flattened free elements). The
+              contraction is split into its blocks as a batch dim of the einsum; each block's
+              float32 partial product is rescaled by its two scales and the blocks are summed in
+              float32. Block = min(128, size): a size over 128 must be a multiple of 128. Cost
+              of this formulation (no fused kernel): the [blocks, *out] float32 partial products
+              are materialized, blocks x the output (32x at a 4096 contraction).
+
+Every GEMM of the step quantizes its operands along its own contraction: for y = x.w, dx = dy.w^T
+contracts over the output's dims (w's free dims) and dw = x^T.dy over the token dims. Forward
+operands are e4m3, output gradients e5m2; scales are float32 fmax / amax (not rounded to powers
+of two), 1 for an all-zero tile.
+
+Sharding: amaxes are jnp.max over the logical arrays, and the blocks are cut from the logical
+arrays too, so under GSPMD every layout computes what one device computes (a sharded amax is an
+all-reduce max; a block or row split over devices gets its max the same way). A block that
+straddles two shards is still one block, whichever layout: no layout is refused, but blockwise's
+transposes and reshapes into blocks cost collectives GSPMD adds (tests/test_fp8_recipes.py's
+fsdp=4 x tensor=2 projections: 5 to 8 all-gathers for forward and backward, tensorwise's 1).
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from models.fp8 import E4M3, E5M2, quantize, scale_from_amax, transposed
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+BLOCK = 128  # DeepSeek-V3's tile: 1 x 128 activations and gradients, 128 x 128 weights
+
+
+class Gemm(NamedTuple):
+  """One einsum `a,b->out` of two operands, with the roles of its letters."""
+  a: str
+  b: str
+  out: str
+  eqn: str
+  blocks: str  # two letters unused by the einsum: block index, position within the block
+
+  @classmethod
+  def parse(cls, eqn: str) -> "Gemm":
+    inputs, out = eqn.split("->")
+    a, b = inputs.split(",")
+    unused = [c for c in "zyxwvutsrqponmlkjihgfecba" if c not in eqn]
+    return cls(a, b, out, eqn, "".join(unused[:2]))
+
+  @property
+  def contracted(self) -> str:
+    """In b's order: b is the weight in the forward and dx GEMMs, whose 128 x 128 blocks are then
+    the same blocks of w in both."""
+    return "".join(c for c in self.b if c in self.a and c not in self.out)
+
+  @property
+  def batch(self) -> str:
+    return "".join(c for c in self.out if c in self.a and c in self.b)
+
+
+class Quantized(NamedTuple):
+  """An fp8 operand `q` (letters `spec`) and its scales (letters `scale_spec`): q ~ value x scale.
+  Blockwise operands carry the contraction as the two block letters, last."""
+  q: jax.Array
+  spec: str
+  scale: jax.Array
+  scale_spec: str
+
+
+def _expand(array: jax.Array, spec: str, target: str) -> jax.Array:
+  """`array` (letters `spec`, all in `target`) transposed and reshaped to broadcast against
+  an array with letters `target`."""
+  order = sorted(spec, key=target.index)
+  array = jnp.transpose(array, [spec.index(c) for c in order])
+  return array.reshape([array.shape[order.index(c)] if c in spec else 1 for c in target])
+
+
+def _block(gemm: Gemm, letters: str, size: int) -> int:
+  block = min(BLOCK, size)
+  if size % block:
+    raise ValueError(f"model.fp8.recipe='blockwise' blocks dims {letters!r} of {gemm.eqn!r}"
+                     f" ({size} elements) by {BLOCK}: make their size at most {BLOCK} or a"
+                     f" multiple of {BLOCK}")
+  return block
+
+
+def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
+                     weight: bool = False) -> Quantized:
+  """Operand `operand` (0: a, 1: b) of `gemm` in fp8 with `recipe`'s scales for that GEMM's
+  contraction; `weight` picks blockwise's 128 x 128 blocks over the 1 x 128 tiles."""
+  spec, contracted = (gemm.a, gemm.b)[operand], gemm.contracted
+  if recipe == "tensorwise":
+    scale = scale_from_amax(jnp.max(jnp.abs(t)), dtype)
+    return Quantized(quantize(t, scale, dtype), spec, scale, "")
+  others = "".join(c for c in spec if c not in contracted)
+  if recipe == "rowwise":
+    axes = tuple(spec.index(c) for c in contracted)
+    scale = scale_from_amax(jnp.max(jnp.abs(t), axis=axes), dtype)
+    return Quantized(quantize(t, _expand(scale, others, spec), dtype), spec, scale, others)
+  if recipe != "blockwise":
+    raise ValueError(f"model.fp8.recipe={recipe!r} is not one of {RECIPES}")
+  # Blockwise: [batch..., free..., contracted...] with the contraction flattened into blocks.
+  batch = "".join(c for c in others if c in gemm.batch)
+  free = "".join(c for c in others if c not in batch)
+  order = batch + free + contracted
+  t = jnp.transpose(t, [spec.index(c) for c in order])
+  lead, size = t.shape[:len(others)], math.prod(t.shape[len(others):])
+  block = _block(gemm, contracted, size)
+  t = t.reshape(*lead, size // block, block)
+  amax = jnp.max(jnp.abs(t), axis=-1)  # [batch..., free..., blocks]: the 1 x 128 tiles
+  if weight:  # and the max over 128 consecutive elements of the flattened free dims
+    outer, width = lead[:len(batch)], math.prod(lead[len(batch):])
+    tile = _block(gemm, free, width)
+    tiles = amax.reshape(*outer, width // tile, tile, -1).max(axis=-2, keepdims=True)
+    amax = jnp.broadcast_to(tiles, (*outer, width // tile, tile, tiles.shape[-1]))
+    amax = amax.reshape(*lead, -1)
+  scale = scale_from_amax(amax, dtype)
+  return Quantized(quantize(t, scale[..., None], dtype), others + gemm.blocks, scale,
+                   others + gemm.blocks[0])
+
+
+def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
+  """einsum of two fp8 operands with a float32 result, divided by both operands' scales (per
+  block, then the blocks summed in float32, when the contraction is blocked)."""
+  k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
+  partial = jnp.einsum(f"{a.spec},{b.spec}->{k}{gemm.out}", a.q, b.q,
+                       preferred_element_type=jnp.float32)
+  scale = _expand(a.scale, a.scale_spec, k + gemm.out) * _expand(b.scale, b.scale_spec,
+                                                                 k + gemm.out)
+  y = partial / scale
+  return (jnp.sum(y, axis=0) if k else y).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """einsum(eqn, x, w) in fp8 with current scaling (`recipe` in RECIPES), any two-operand eqn.
+
+  x: the activation, in the compute dtype (the result's); w: the weight, in the param dtype (dw's).
+  Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient.
+  """
+  return _forward(recipe, eqn, x, w)[0]
+
+
+def _forward(recipe, eqn, x, w):
+  gemm = Gemm.parse(eqn)
+  qx = quantize_operand(recipe, x, gemm, 0, E4M3)
+  qw = quantize_operand(recipe, w, gemm, 1, E4M3, weight=True)
+  # Residuals. tensorwise: the fp8 operands and their scales (1 byte per element), whose scales do
+  # not depend on the contraction. rowwise and blockwise: x in the compute dtype (2 bytes per
+  # element in bf16, twice tensorwise's) and w as given (the parameter, which FSDP gathers again
+  # or keeps gathered), because the backward GEMMs need other scales (rowwise: dw's per column
+  # of x; blockwise: dw's tiles along the tokens) and requantizing an fp8 value would round twice.
+  saved = (qx.q, qx.scale, qw.q, qw.scale) if recipe == "tensorwise" else (x, w)
+  return scaled_matmul(gemm, qx, qw, x.dtype), (saved, jnp.zeros((), w.dtype))
+
+
+def _backward(recipe, eqn, residuals, g):
+  saved, w_zero = residuals
+  dx_gemm, dw_gemm = map(Gemm.parse, transposed(eqn))
+  if recipe == "tensorwise":
+    qx, sx, qw, sw = saved
+    qg = quantize_operand(recipe, g, dx_gemm, 0, E5M2)  # one scale: the same in both GEMMs
+    dx_ops = qg, Quantized(qw, dx_gemm.b, sw, "")
+    dw_ops = Quantized(qx, dw_gemm.a, sx, ""), qg
+  else:
+    x, w = saved
+    dx_ops = (quantize_operand(recipe, g, dx_gemm, 0, E5M2),
+              quantize_operand(recipe, w, dx_gemm, 1, E4M3, weight=True))
+    dw_ops = (quantize_operand(recipe, x, dw_gemm, 0, E4M3),
+              quantize_operand(recipe, g, dw_gemm, 1, E5M2))
+  return scaled_matmul(dx_gemm, *dx_ops, g.dtype), scaled_matmul(dw_gemm, *dw_ops, w_zero.dtype)
+
+
+quantized_einsum.defvjp(_forward, _backward)
