@@ -294,10 +294,10 @@ class ModelConfig:
     if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
       raise ValueError(f"model.mtp_depth and model.mtp_loss_weight must be >= 0 (depth 0: no"
                        f" multi-token prediction), got {self.mtp_depth} and {self.mtp_loss_weight}")
-    if self.mtp_depth and self.fp8.applies_to("head"):  # two uses would add two new histories
-      raise ValueError("model.fp8.targets includes 'head', whose amax history one use updates,"
-                       " but the multi-token prediction modules share it: drop 'head' or set"
-                       " model.mtp_depth=0")
+    if self.mtp_depth and self.fp8.applies_to("head") and self.fp8.recipe == "delayed":
+      raise ValueError("model.fp8.targets includes 'head', whose delayed amax history one use"
+                       " updates, but the multi-token prediction modules share it: drop 'head',"
+                       " use a current-scaling model.fp8.recipe, or set model.mtp_depth=0")
 
   # ---- parameter counts (the formulas the tests check against the built model) ----
 

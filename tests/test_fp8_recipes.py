@@ -39,6 +39,7 @@ from models.config import FP8_RECIPES, Fp8Config
 from models.fp8 import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
 from models.fp8_current import RECIPES, Gemm, quantize_operand, quantized_einsum
 from sharding import MeshConfig
+from sharding.plan import optimizer_cost
 from sharding.xla import compiled
 from tests import parallel_harness as harness
 from tests import training_runs
@@ -213,6 +214,9 @@ def test_current_recipes_keep_no_amax_histories(recipe):
   assert not any(FP8_HISTORY in n for n in names)
   assert len(jax.tree.leaves(param_names(delayed), is_leaf=lambda n: isinstance(n, tuple))) == \
       len(names) + 7 * 3  # the delayed recipe's histories: 7 projections x (x, w, g)
+  # ... and the memory estimate counts none for them.
+  assert optimizer_cost.fp8_state_elements(model, 16, recipe=recipe) == 0
+  assert optimizer_cost.fp8_state_elements(delayed, 16) == 3 * 16 * 7 * model.num_layers
 
 
 def test_blockwise_trains_close_to_bf16_short():

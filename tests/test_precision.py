@@ -111,7 +111,8 @@ def measured(name):
   estimator = optimizer_cost.muon_memory if cfg.optim.name == "muon" else estimate.memory
   est = estimator(m, layout, cfg.seq_len, precision, workspace_bytes=0)
   # fp8 histories: float32 parameters with two (unused) AdamW moments, replicated.
-  fp8 = 3 * 4 * optimizer_cost.fp8_state_elements(m, m.fp8.amax_history) if m.fp8.enabled else 0
+  fp8 = 3 * 4 * optimizer_cost.fp8_state_elements(
+      m, m.fp8.amax_history, recipe=m.fp8.recipe) if m.fp8.enabled else 0
   return stats, est, fp8, layout
 
 

@@ -78,9 +78,13 @@ def muon_newton_schulz(model, layout: Layout, steps: int = 5, dtype: str = "floa
   return NewtonSchulzCost(layers * flops / s, layers * wire)
 
 
-def fp8_state_elements(model, history: int, targets: str = "attention,mlp,experts") -> int:
+def fp8_state_elements(model, history: int, targets: str = "attention,mlp,experts",
+                       recipe: str = "delayed") -> int:
   """float32 amax-history elements of fp8 training: 3 histories (input, weight, gradient) per fp8
-  projection. They are parameters, so AdamW keeps (untouched) moments for them too."""
+  projection under the delayed recipe (the current-scaling ones keep none). They are parameters,
+  so AdamW keeps (untouched) moments for them too."""
+  if recipe != "delayed":
+    return 0
   m = model_spec(model)
   per_layer = 4 * ("attention" in targets)
   if m.moe is None:
