@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kernels import reference as oracle
 from kernels import ulysses_attention, ulysses_ring_attention
 from kernels.ring_attention import ring_hops
 from kernels.ulysses import kv_repeats
@@ -24,6 +23,7 @@ from sharding.layout import Layout
 from sharding.plan import estimate, hardware, planner
 from sharding.xla import hlo
 from tests import parallel_harness as harness
+from tests.test_context_parallel import assert_close, reference_attention, value_and_grads
 from tests.test_parallel import assert_same_training, reference  # noqa: F401
 
 ULYSSES = dataclasses.replace(harness.MODEL, context_impl="ulysses")
@@ -47,13 +47,6 @@ def kernel_inputs(heads=4, kv_heads=2, v_dim=8, seed=0):
   return q, k, v, positions, segments
 
 
-def reference_attention(q, k, v, positions, segments, window=0):
-  """kernels/reference.attention, also for v's head dim e < q's d: v zero-padded to d."""
-  e = v.shape[-1]
-  v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - e)))
-  return oracle.attention(q, k, v, segments, causal=True, window=window)[..., :e]
-
-
 def whole_sequence(q, k, v, positions, segments, *, window):
   """What Ulysses runs between its all-to-alls: the reference over whole sequences."""
   return reference_attention(q, k, v, positions, segments, window)
@@ -72,21 +65,6 @@ def sharded(kernel, axes, shape, order=None, **kw):
     return mapped
   return lambda *a: jnp.take(mapped(*(jnp.take(x, order, axis=1) for x in a)),
                              np.argsort(order), axis=1)
-
-
-def value_and_grads(attention, inputs):
-  """(output, gradients of <output, a random cotangent> for q, k, v), one compiled program."""
-  cotangent = jax.random.normal(jax.random.key(7), (*inputs[0].shape[:-1], inputs[2].shape[-1]))
-
-  def both(q, k, v, positions, segments):
-    out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, positions, segments), q, k, v)
-    return out, pullback(cotangent)
-  return jax.jit(both)(*inputs)
-
-
-def assert_close(got, want):
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_kv_heads_fewer_than_the_degree_are_replicated():
