@@ -171,11 +171,25 @@ FITTED = {"matmul_efficiency": (0.2, 0.85), "collective_efficiency": (0.3, 1.0),
           "overlap_pipeline": (0.0, 1.0), "overlap_zero3": (0.0, 1.0)}
 
 
-def named_departure(run: dict) -> bool:
-  """Nanotron's own behaviour, not physics: pipeline runs made before the benchmark's pipeline
-  fix (`after_pp_fix` False) run at a median 0.04-0.2x of any prediction, far below the same
-  layouts after the fix. They are scored separately, never fitted."""
-  return int(run["pp"]) > 1 and run["after_pp_fix"] != "True"
+# PyTorch's caching allocator reserves memory in blocks; past this much of the 80 GB it frees
+# its cache and retries allocations every step. XLA plans a program's buffers once, so meshtron
+# has no such regime: a layout that fits runs at its full speed.
+ALLOCATOR_PRESSURE_GB = 70.0
+
+
+def named_departure(run: dict) -> str:
+  """Nanotron's own behaviour, not physics, read from the run's own record ('' for none). Scored
+  separately, never fitted:
+  - pre-fix pipeline: pipeline runs made before the benchmark's pipeline fix (`after_pp_fix`
+    False) run at a median 0.04-0.2x of any prediction, far below the same layouts after it;
+  - allocator pressure: the 17 runs that reserved over 70 GB of the 80 run at 0.08-0.38x of
+    the prediction (median 0.16), the 368 that reserved 40-70 GB at a median 0.96x (7.6% of
+    them at 0.38x or below). Named after inspecting the whole sweep, as the first was."""
+  if int(run["pp"]) > 1 and run["after_pp_fix"] != "True":
+    return "pre-fix pipeline"
+  if float(run["mem_reserved_gb"]) > ALLOCATOR_PRESSURE_GB:
+    return "allocator pressure"
+  return ""
 
 
 def with_params(hw: hardware.HardwareProfile, values: dict) -> hardware.HardwareProfile:
@@ -212,8 +226,29 @@ def fit(sample: list[dict], hw: hardware.HardwareProfile) -> hardware.HardwarePr
   return with_params(hw, values(best.x))
 
 
+def twins(all_runs: list[dict]) -> dict:
+  """How rankable each cell is: layouts that differ only in ZeRO-0 vs ZeRO-1 should run at
+  nearly one speed (the same bytes, reduce-scatter + all-gather instead of all-reduce), so the
+  rank correlation of the ZeRO-0 runs' speeds with their ZeRO-1 twins' bounds what any model
+  that ranks them alike can reach. Cells with at least 5 twin pairs."""
+  speeds = collections.defaultdict(dict)
+  for r in all_runs:
+    key = tuple(r[k] for k in ("model", "nodes", "dp", "tp", "pp", "mbs", "ga", "after_pp_fix"))
+    speeds[key].setdefault(r["zero"], float(r["tokens_per_s_gpu"]))
+  cells = collections.defaultdict(list)
+  for key, by_zero in speeds.items():
+    if {"0", "1"} <= set(by_zero):
+      cells[key[:2]].append((by_zero["0"], by_zero["1"]))
+  rows = [{"model": m, "nodes": int(n), "pairs": len(p),
+           "spearman": spearman([a for a, _ in p], [b for _, b in p])}
+          for (m, n), p in sorted(cells.items()) if len(p) >= 5]
+  ratios = sorted(max(a, b) / min(a, b) for p in cells.values() for a, b in p)
+  return {"cells": rows, "pairs": len(ratios), "median_ratio": ratios[len(ratios) // 2],
+          "median_spearman": sorted(r["spearman"] for r in rows)[len(rows) // 2]}
+
+
 def render(path: str) -> str:
-  rows = [json.loads(line) for line in open(path) if line.strip()]
+  rows = [json.loads(line) for line in open(path) if line.strip() and "twins" not in line]
   lines = ["| profile | held-out runs scored | median cell rank corr. (min) | cells whose"
            " first-ranked layout runs >= 0.9x the best | cells < 0.5x | median memory error |",
            "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -239,17 +274,21 @@ def main() -> None:
   physical = [r for r in all_runs if not named_departure(r)]
   chosen = {id(physical[i]) for i in fit_sample(physical)}  # 10% of the physical runs
   held_out = {"all runs": [r for r in all_runs if id(r) not in chosen],
-              "without pre-fix pipeline runs": [r for r in physical if id(r) not in chosen]}
-  profiles = {"before": hardware.PROFILES["h100"]}
+              "without pre-fix pipeline runs": [
+                  r for r in all_runs if id(r) not in chosen
+                  and named_departure(r) != "pre-fix pipeline"],
+              "without named departures": [r for r in physical if id(r) not in chosen]}
+  profiles = {"built-in": hardware.PROFILES["h100"]}
   if args.fit:
-    profiles["fitted"] = fit([r for r in physical if id(r) in chosen], profiles["before"])
+    profiles["fitted"] = fit([r for r in physical if id(r) in chosen], profiles["built-in"])
   results = []
   for kind, hw in profiles.items():
     for name, scored in held_out.items():
-      extra = {} if kind == "before" else dict(
+      extra = {} if kind == "built-in" else dict(
           fit_runs=len(chosen), factors={k: getattr(hw, k) for k in FITTED if hasattr(hw, k)},
           overlap=dict(hw.overlap))
       results.append(dict(kind=kind, runs=name, **extra, **score(scored, hw)))
+  results.append(dict(kind="zero-0/1 twins", **twins(all_runs)))
   with open(args.out, "w") as f:
     for r in results:
       print(json.dumps({k: v for k, v in r.items() if k != "cells"}), flush=True)

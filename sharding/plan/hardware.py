@@ -292,13 +292,16 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
   return tokens * flops / (lay.tensor * lay.pipeline)
 
 
-def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, bool]:
-  """{axis: True if its groups stay inside a node}: inner axes fill a node first."""
-  intra, inner = {}, 1
+def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, int]:
+  """{axis: how many of its group's members share a node}: inner axes fill a node first, so an
+  axis inside a node has all its members there (the group size) and one that spans nodes the
+  share of the node its inner axes leave it."""
+  members, inner = {}, 1
   for axis in reversed(order):
-    inner *= getattr(layout, axis)
-    intra[axis] = inner <= gpus_per_node
-  return intra
+    size = getattr(layout, axis)
+    members[axis] = max(1, min(size, gpus_per_node // inner))
+    inner *= size
+  return members
 
 
 @dataclasses.dataclass
@@ -323,12 +326,17 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
   compute = hardware_flops_per_device(m, lay, seq_len) / (peak * hw.matmul_efficiency) + \
       passes * hw.layer_overhead_s
-  intra = placement(lay, hw.gpus_per_node, order)
+  members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
   for c in collectives(m, lay, seq_len, precision):
-    inside = all(intra[a] for a in c.axes)
-    bw = (hw.intra_node_bandwidth if inside else hw.inter_node_bandwidth) * \
-        hw.collective_efficiency
+    per_node = math.prod(members[a] for a in c.axes)
+    inside = per_node == c.group
+    # Across nodes NCCL runs one ring per NIC: a group with k members on each node crosses
+    # between nodes over k NICs at once, so its bus bandwidth is k NICs' (NVLink at most), as
+    # in the compiled-program model (sharding/xla/step_time.py) and nccl-tests' 400-450 GB/s of
+    # all-reduce bus bandwidth for a group of whole 8-GPU nodes (see the profiles above).
+    link = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth)
+    bw = (hw.intra_node_bandwidth if inside else link) * hw.collective_efficiency
     latency = hw.intra_latency_s if inside else (
         hw.pipeline_hop_s if c.phase == "pipeline" else hw.inter_latency_s)
     t = c.wire_bytes / bw + c.ring_steps * latency
