@@ -1,6 +1,7 @@
 """Checkpoints and faults: exact resume after SIGKILL, interrupted saves, resharding restore,
 preemption, the NaN guard, and unusable checkpoints — nothing lost, nothing overwritten."""
 
+import dataclasses
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from configs import llama
+from models.config import Fp8Config
 from sharding import MeshConfig
 from trainer import checkpoint, loop
 from trainer.trainer import Trainer
@@ -229,3 +231,22 @@ def test_keeps_the_last_k_and_every_mth(tmp_path):
   cfg.checkpoint.every_steps, cfg.checkpoint.keep, cfg.checkpoint.keep_every = 2, 2, 4
   loop.run(cfg, str(tmp_path))
   assert committed(tmp_path) == [4, 8, 10, 12]  # the last 2, plus multiples of 4
+
+
+def test_switching_the_fp8_recipe_on_resume(tmp_path):
+  """The current-scaling recipes keep no state, so a run switches among them on resume; delayed
+  scaling's amax histories are parameters, so a switch to or from it is refused in one line
+  that names the checkpoint's settings, the checkpoint left untouched."""
+  def fp8_run(recipe, steps):
+    cfg = tiny_run(steps=steps, checkpoint=_every(2))
+    cfg.model = dataclasses.replace(cfg.model, fp8=Fp8Config(enabled=True, recipe=recipe))
+    return cfg
+  loop.run(fp8_run("tensorwise", 2), str(tmp_path))
+  files = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
+  with pytest.raises(checkpoint.CheckpointError, match=r"holds no fp8 amax histories, this"
+                     r" run's model.fp8 wants delayed-scaling amax histories of 16 steps.*"
+                     r"--config.model.fp8.recipe=tensorwise"):
+    loop.run(fp8_run("delayed", 4), str(tmp_path))
+  assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == files
+  loop.run(fp8_run("rowwise", 4), str(tmp_path))
+  assert committed(tmp_path) == [2, 4] and sorted(rows(tmp_path)) == [1, 2, 3, 4]
