@@ -1,5 +1,5 @@
 """Predicted step time (sharding/xla/step_time.py, from the deviceless H100 program) beside three
-published H100 measurements of the same model, layout, sequence, batch and remat.
+published H100 measurements (one of them also under meshtron's other context parallelism) of the same model, layout, sequence, batch and remat.
 
 Each anchor is compiled for its cluster without a GPU (`meshtron compile --target=h100xN`); the
 prediction's constants are the H100 profile's (sharding/plan/hardware.py), fixed with their
@@ -41,6 +41,7 @@ class Anchor:
   microbatches: int
   remat: str
   differences: str  # what the published run does that meshtron's program does not, or ""
+  model: tuple = ()  # model config overrides, (field, value) pairs
 
 
 ANCHORS = (
@@ -56,6 +57,10 @@ ANCHORS = (
            "llama3_8b", "h100x8", dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
            "NeMo keeps bf16 weights and gradients (fp32 master in the distributed optimizer);"
            " ours float32 parameters and gradients; Transformer Engine + cuDNN attention"),
+    Anchor("NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses", "as the row above", 10_153,
+           "llama3_8b", "h100x8", dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
+           "as above, and meshtron splits the context by Ulysses all-to-alls around its flash"
+           " kernel where NeMo passes K/V around a ring", model=(("context_impl", "ulysses"),)),
     Anchor("torchtitan Llama-3.1-8B, FSDP 8", "torchtitan benchmarks/llama3_h100_202412_"
            "torchtitan.md Table 1 (FSDP + torch.compile, local batch 2, seq 8192)", 6_667,
            "llama3_8b", "h100x8", dict(fsdp=8), 16, 8192, 1, "selective",
@@ -68,7 +73,8 @@ def config(a: Anchor):
   cfg = llama.large(a.preset)
   cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
   cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches
-  cfg.model = dataclasses.replace(cfg.model, remat=a.remat)  # attention "auto": pallas_flash
+  cfg.model = dataclasses.replace(cfg.model, remat=a.remat,  # attention "auto": pallas_flash
+                                  **dict(a.model))
   return cfg
 
 
