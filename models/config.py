@@ -3,6 +3,7 @@
 import dataclasses
 
 from kernels.attention import IMPLS as ATTENTION_IMPLS
+from models.fp8_config import FP8_RECIPES, FP8_TARGETS, Fp8Config  # noqa: F401  (re-exported)
 from sharding.context_parallel import CONTEXT_IMPLS, check_ulysses_degree
 from sharding.expert import EXCHANGES
 from sharding.layout import REMATS
@@ -19,47 +20,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
 GROUPED_MATMULS = ("auto", "ragged_dot", "pallas")
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
-# Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
-# a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
-FP8_TARGETS = ("attention", "mlp", "experts", "head")
-
-
-@dataclasses.dataclass(unsafe_hash=True)
-class Fp8Config:
-  """fp8 matmuls, off by default: operands e4m3 forward, output gradients e5m2, float32 results.
-
-  The recipe says where each GEMM operand's scale (fmax / amax) comes from:
-    "delayed"     per tensor, from amax histories of `amax_history` steps (parameters, so in the
-                  train state; fmax / max(history) / 2^margin): a jump saturates (models/fp8).
-    "tensorwise"  per tensor, its current amax; no state, as the next two (models/fp8_current).
-    "rowwise"     per row of activations and column of weights (every GEMM, backward included).
-    "blockwise"   DeepSeek-V3: 1 x 128 tiles of activations and gradients, 128 x 128 weight
-                  blocks; contracted and weight dims of at most 128 or a multiple of 128.
-  """
-
-  enabled: bool = False
-  recipe: str = "delayed"
-  amax_history: int = 16
-  margin: int = 0
-  targets: str = "attention,mlp,experts"  # comma-separated subset of FP8_TARGETS
-
-  def applies_to(self, target: str) -> bool:
-    return self.enabled and target in self.targets.split(",")
-
-  def validate(self) -> None:
-    """Raises ValueError with a one-line message for a bad fp8 setting."""
-    if self.recipe not in FP8_RECIPES:
-      raise ValueError(f"model.fp8.recipe={self.recipe!r} is not one of {FP8_RECIPES}")
-    if self.amax_history <= 0 or self.margin < 0:
-      raise ValueError(f"model.fp8.amax_history must be positive and model.fp8.margin >= 0, got"
-                       f" {self.amax_history} and {self.margin}")
-    if self.margin and self.recipe != "delayed":
-      raise ValueError(f"model.fp8.margin={self.margin} is the delayed recipe's headroom;"
-                       f" recipe {self.recipe!r} scales by the current amax: set it to 0")
-    unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
-    if unknown:
-      raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -284,20 +244,10 @@ class ModelConfig:
       self.moe.validate(self.num_layers)
     if self.mla is not None:
       self.mla.validate(self)
-    self.fp8.validate()
-    if self.collective_matmul and self.fp8.applies_to("mlp"):
-      raise ValueError("model.collective_matmul runs the MLP matmuls itself, not in fp8: drop"
-                       " 'mlp' from model.fp8.targets or set model.collective_matmul=false")
-    if self.fp8.applies_to("head") and (self.tie_embeddings or self.loss_impl == "chunked"):
-      raise ValueError("model.fp8.targets includes 'head', which needs an untied head and"
-                       " model.loss_impl='dense'")
     if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
       raise ValueError(f"model.mtp_depth and model.mtp_loss_weight must be >= 0 (depth 0: no"
                        f" multi-token prediction), got {self.mtp_depth} and {self.mtp_loss_weight}")
-    if self.mtp_depth and self.fp8.applies_to("head") and self.fp8.recipe == "delayed":
-      raise ValueError("model.fp8.targets includes 'head', whose delayed amax history one use"
-                       " updates, but the multi-token prediction modules share it: drop 'head',"
-                       " use a current-scaling model.fp8.recipe, or set model.mtp_depth=0")
+    self.fp8.check_model(self)
 
   # ---- parameter counts (the formulas the tests check against the built model) ----
 

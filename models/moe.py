@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward: router, aux losses, balancing bias, dropping/dropless dispatch."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -8,10 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.fp8_grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_grouped
 from models.layers import Einsum, logical_param
 from models.mlp import MLP
 from kernels.grouped_matmul import grouped_matmul
 from sharding import constrain, dropless_experts, platform
+from sharding.expert import ExpertAxes
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
 # step updates it from the routing counts (DeepSeek-V3's auxiliary-loss-free balancing).
@@ -116,11 +119,14 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     e, d, f = cfg.moe.num_experts, cfg.embed_dim, cfg.moe.mlp_dim(cfg.mlp_dim)
-    # fp8 applies to the einsum dispatch ("dropping"); "dropless" runs the weights through
-    # ragged_dot in the compute dtype, so it gets no amax histories.
-    fp8 = cfg.fp8.applies_to("experts") and cfg.moe.dispatch != "dropless"
+    # The einsum dispatch ("dropping") runs fp8 in the Einsums (any recipe); "dropless" in its
+    # grouped GEMMs (models/fp8_grouped.py: tensorwise, rowwise), so its Einsums keep no state.
+    dropless = cfg.moe.dispatch == "dropless"
+    cfg.fp8.check_dropless_experts(cfg.moe)
+    fp8 = cfg.fp8.applies_to("experts")
+    self.fp8_recipe = cfg.fp8.recipe if fp8 else None  # plain str: static
     kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
-              fp8=cfg.fp8 if fp8 else None)
+              fp8=cfg.fp8 if fp8 and not dropless else None)
     self.gate = Einsum((e, d, f), self.NAMES[0], (1,), **kw)
     self.up = Einsum((e, d, f), self.NAMES[1], (1,), **kw)
     self.down = Einsum((e, f, d), self.NAMES[2], (1,), **kw)
@@ -137,13 +143,25 @@ class Experts(nnx.Module):
       return self.grouped_impl
     return "pallas" if platform() in ("gpu", "cuda", "rocm") else "ragged_dot"
 
-  def grouped(self, x_AD, group_sizes, gate, up, down):
-    """Rows grouped by expert through their expert's SwiGLU (`moe.grouped_matmul`)."""
-    pallas = self.resolved_grouped_matmul() == "pallas"
-    matmul = grouped_matmul if pallas else jax.lax.ragged_dot
-    hidden = jax.nn.silu(matmul(x_AD, gate, group_sizes))
-    hidden = hidden * matmul(x_AD, up, group_sizes)
-    return matmul(hidden, down, group_sizes)
+  def grouped(self, x_AD, group_sizes, gate, up, down, axes=ExpertAxes()):
+    """Rows grouped by expert through their expert's SwiGLU (`moe.grouped_matmul`), in fp8 when
+    it applies; `axes`: the mesh axes of the dropless region (sharding/expert.py)."""
+    impl = self.resolved_grouped_matmul()
+    if self.fp8_recipe not in (None, *GROUPED_RECIPES):  # a dropping model run dropless
+      raise ValueError(f"model.fp8.recipe={self.fp8_recipe!r} does not run the experts' grouped"
+                       f" GEMMs (dropless dispatch), which take {GROUPED_RECIPES}")
+    if self.fp8_recipe is None:
+      plain = grouped_matmul if impl == "pallas" else jax.lax.ragged_dot
+      in_matmul = out_matmul = plain
+    else:  # the hidden dim: gate/up's output columns, down's contraction
+      every = axes.every
+      in_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
+          n=axes.hidden, rows=axes.rows, every=every))
+      out_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
+          k=axes.hidden, rows=axes.rows, every=every))
+    hidden = jax.nn.silu(in_matmul(x_AD, gate, group_sizes))
+    hidden = hidden * in_matmul(x_AD, up, group_sizes)
+    return out_matmul(hidden, down, group_sizes)
 
   def every_token(self, x_BLD) -> jax.Array:
     """Every expert on every token, [B, L, E, D] (the dense reference)."""

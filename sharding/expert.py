@@ -1,7 +1,9 @@
 """Expert parallelism for dropless MoE: per-device sort, all-to-all token exchange, grouped FFN."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,18 @@ from sharding.mesh import LayoutError
 Names = tuple[str | None, ...]
 TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
 EXCHANGES = ("auto", "padded", "ragged")
+
+
+class ExpertAxes(NamedTuple):
+  """The mesh axes of the per-device expert FFN, for what must see past one device's rows,
+  experts and hidden columns (fp8 amaxes: models/fp8_grouped.py). Empty outside a context."""
+  experts: tuple[str, ...] = ()  # split the experts
+  hidden: tuple[str, ...] = ()  # split the params' `partial_over` dims
+  rows: tuple[str, ...] = ()  # hold other tokens routed to the same (local) experts
+
+  @property
+  def every(self) -> tuple[str, ...]:
+    return tuple(sorted({*self.experts, *self.hidden, *self.rows}))
 
 
 def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
@@ -32,8 +46,9 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
   before the region (e.g. `embed` over fsdp; its gradient is reduce-scattered back).
 
   Args:
-    expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params) -> [A, D]; rows are
-      grouped by local expert in order, rows past sum(group_sizes) are padding (ignored).
+    expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params, axes=ExpertAxes)
+      -> [A, D]; rows are grouped by local expert in order, rows past sum(group_sizes) are
+      padding (zeros, ignored).
     x_BLD: tokens.
     ids_BLk: int expert of each of the k assignments (top-k slots) of a token.
     weights_BLk: mixing weight of each assignment.
@@ -55,7 +70,8 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
   ctx = active()
-  static = dict(expert_fn=expert_fn, num_experts=num_experts)
+  static = dict(expert_fn=functools.partial(expert_fn, axes=ExpertAxes()),
+                num_experts=num_experts)
   if ctx is None:
     return _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_axes=(), partial_axes=(),
                        exchange="padded", **static)
@@ -78,6 +94,9 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
     exchange = "padded" if ctx.mesh.devices.flat[0].platform == "cpu" else "ragged"
   token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
   choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
+  token_axes = {a for entry in token_spec for a in _axes(entry)}
+  static["expert_fn"] = functools.partial(expert_fn, axes=ExpertAxes(
+      expert_axes, partial_axes, tuple(sorted(token_axes - {*expert_axes, *partial_axes}))))
 
   def body(x, ids, weights, *local_params):
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
@@ -137,10 +156,15 @@ def _batch_like(w, x):
 
 @_batch_like.def_vmap
 def _batch_like_rule(axis_size, in_batched, w, x):
-  del x
   if in_batched[0] or not in_batched[1]:
     return w, in_batched[0]
-  return jnp.broadcast_to(w, (axis_size, *w.shape)), True
+  # Typed like x too: the replicas' vmap may map its dim to a mesh axis (spmd_axis_name), over
+  # which x then varies; a w that did not would fail the varying-axes check of any op meeting
+  # x's values (the fp8 scales of models/fp8_grouped.py, reduced from both).
+  w = jnp.broadcast_to(w, (axis_size, *w.shape))
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+  extra = tuple(sorted(varying(x) - varying(w)))
+  return (jax.lax.pcast(w, extra, to="varying") if extra else w), True
 
 
 # custom_vmap has no reverse mode: the identity's gradient is given here (per replica under vmap).

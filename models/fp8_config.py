@@ -1,0 +1,77 @@
+"""Fp8Config: which matmuls run in fp8 with which scaling recipe, and the checks that tie it to the
+rest of the architecture (re-exported by models.config, where ModelConfig.validate calls them)."""
+
+import dataclasses
+
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
+# Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
+# a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
+FP8_TARGETS = ("attention", "mlp", "experts", "head")
+# The recipes the dropless dispatch's grouped expert GEMMs run (models/fp8_grouped.py). Delayed
+# scaling's amax histories are parameters, which the dropless region would have to carry and
+# reduce; blockwise's 1 x 128 tiles along the tokens would cut across the ragged expert groups.
+GROUPED_RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclasses.dataclass(unsafe_hash=True)
+class Fp8Config:
+  """fp8 matmuls, off by default: operands e4m3 forward, output gradients e5m2, float32 results.
+
+  The recipe says where each GEMM operand's scale (fmax / amax) comes from:
+    "delayed"     per tensor, from amax histories of `amax_history` steps (parameters, so in the
+                  train state; fmax / max(history) / 2^margin): a jump saturates (models/fp8).
+    "tensorwise"  per tensor, its current amax; no state, as the next two (models/fp8_current).
+    "rowwise"     per row of activations and column of weights (every GEMM, backward included).
+    "blockwise"   DeepSeek-V3: 1 x 128 tiles of activations and gradients, 128 x 128 weight
+                  blocks; contracted and weight dims of at most 128 or a multiple of 128.
+  Under model.moe.dispatch="dropless" the experts take tensorwise or rowwise, per expert, with
+  e4m3 output gradients (models/fp8_grouped.py).
+  """
+
+  enabled: bool = False
+  recipe: str = "delayed"
+  amax_history: int = 16
+  margin: int = 0
+  targets: str = "attention,mlp,experts"  # comma-separated subset of FP8_TARGETS
+
+  def applies_to(self, target: str) -> bool:
+    return self.enabled and target in self.targets.split(",")
+
+  def validate(self) -> None:
+    """Raises ValueError with a one-line message for a bad fp8 setting."""
+    if self.recipe not in FP8_RECIPES:
+      raise ValueError(f"model.fp8.recipe={self.recipe!r} is not one of {FP8_RECIPES}")
+    if self.amax_history <= 0 or self.margin < 0:
+      raise ValueError(f"model.fp8.amax_history must be positive and model.fp8.margin >= 0, got"
+                       f" {self.amax_history} and {self.margin}")
+    if self.margin and self.recipe != "delayed":
+      raise ValueError(f"model.fp8.margin={self.margin} is the delayed recipe's headroom;"
+                       f" recipe {self.recipe!r} scales by the current amax: set it to 0")
+    unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
+    if unknown:
+      raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")
+
+  def check_dropless_experts(self, moe) -> None:
+    """ValueError (one line) when the experts would run fp8 under the dropless dispatch with a
+    recipe its grouped GEMMs do not take."""
+    if moe is not None and moe.dispatch == "dropless" and self.applies_to("experts") and \
+        self.recipe not in GROUPED_RECIPES:
+      raise ValueError(f"model.fp8.recipe={self.recipe!r} does not run the MoE experts under"
+                       f" model.moe.dispatch='dropless' (their grouped GEMMs take"
+                       f" {GROUPED_RECIPES}): set model.fp8.recipe to one of those,"
+                       " model.moe.dispatch='dropping', or drop 'experts' from model.fp8.targets")
+
+  def check_model(self, model) -> None:
+    """The fp8 settings against the rest of the ModelConfig `model` (one-line ValueErrors)."""
+    self.validate()
+    if model.collective_matmul and self.applies_to("mlp"):
+      raise ValueError("model.collective_matmul runs the MLP matmuls itself, not in fp8: drop"
+                       " 'mlp' from model.fp8.targets or set model.collective_matmul=false")
+    if self.applies_to("head") and (model.tie_embeddings or model.loss_impl == "chunked"):
+      raise ValueError("model.fp8.targets includes 'head', which needs an untied head and"
+                       " model.loss_impl='dense'")
+    if model.mtp_depth and self.applies_to("head") and self.recipe == "delayed":
+      raise ValueError("model.fp8.targets includes 'head', whose delayed amax history one use"
+                       " updates, but the multi-token prediction modules share it: drop 'head',"
+                       " use a current-scaling model.fp8.recipe, or set model.mtp_depth=0")
+    self.check_dropless_experts(model.moe)
