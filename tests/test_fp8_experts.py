@@ -299,18 +299,22 @@ def test_dropless_refuses_delayed_and_blockwise_in_one_line(recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["expert=4,fsdp=2", "expert=2,tensor=2,data=2,ga=2,remat=full"])
+@pytest.mark.parametrize("layout", ["expert=4,fsdp=2", "expert=2,tensor=2,data=2,ga=2,remat=full",
+                                    "pipeline=2,expert=2,data=2,ga=2"])
 def test_dropless_fp8_trains_under_expert_parallelism_like_one_device(layout):
   """3 AdamW steps of the harness MoE (experts in fp8, the rest float32) vs one device. Under
   expert=4 x fsdp=2 the first loss within LOSS_RTOL; every loss within 2e-3 (measured at most
   7.8e-5; first gradients 1.0e-6 / 4.7e-4 apart for tensorwise / rowwise: the chaos that
   tests/test_fp8_recipes.py describes, since the FFN alone matches to 1.4e-7 above). With
   gradient accumulation over 2 data-parallel replicas each replica scales by its own rows, so
-  its first loss is only within 2e-3 too (measured 1.5e-5 / 2.4e-7)."""
+  its first loss is only within 2e-3 too (measured 1.5e-5 / 2.4e-7), and so under a pipeline
+  (1F1B; the MoE layer and its dropless exchange on the second stage)."""
   mesh_cfg, options = {
       "expert=4,fsdp=2": (MeshConfig(data=1, expert=4, fsdp=2), {}),
       "expert=2,tensor=2,data=2,ga=2,remat=full": (MeshConfig(data=2, expert=2, tensor=2),
-                                                   dict(microbatches=2, remat="full"))}[layout]
+                                                   dict(microbatches=2, remat="full")),
+      "pipeline=2,expert=2,data=2,ga=2": (MeshConfig(data=2, pipeline=2, expert=2),
+                                          dict(microbatches=2))}[layout]
   for recipe in RECIPES:
     model = dataclasses.replace(harness.MODEL, fp8=Fp8Config(enabled=True, recipe=recipe,
                                                              targets="experts"))
