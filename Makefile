@@ -56,11 +56,7 @@ bench: $(STAMP)
 	done; done
 	$(BIN)/python benchmarks/sweep.py --out $(RESULTS)/sweep.csv --pairs 1:none,4:full
 	$(BIN)/python benchmarks/plot_sweep.py --csv $(RESULTS)/sweep.csv --out_dir $(RESULTS)
-	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config tiny:single \
-	  --config tiny:fsdp=8 --config tiny:fsdp=4,tensor=2 --steps 10 --warmup 3 \
-	  --out $(RESULTS)/compare.jsonl
-	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --config 100m:single \
-	  --config 100m:fsdp=8 --config 100m:fsdp=4,tensor=2 --steps 4 --warmup 3 \
+	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --dtype bfloat16,float32 \
 	  --out $(RESULTS)/compare.jsonl
 	$(BIN)/python benchmarks/compare.py --summarize $(RESULTS)/compare.jsonl \
 	  > $(RESULTS)/compare_summary.jsonl

@@ -11,7 +11,7 @@ steps). MFU of both uses meshtron's model FLOPs per token and the measured matmu
 
 Usage (or --summarize FILE to recompute the summaries of every run in FILE):
   python benchmarks/compare.py [--config tiny:single --config "100m:fsdp=4,tensor=2" ...]
-      [--rounds 3] [--remat full] [--dtype float32] [--steps 15 --warmup 5]
+      [--rounds 3] [--remat full] [--dtype bfloat16,float32] [--steps 15 --warmup 5]
       [--peak_file benchmarks/results/peak.jsonl] [--out benchmarks/results/compare.jsonl]
 """
 
@@ -79,7 +79,8 @@ def main() -> None:
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--remat", default="full", help="full | selective (MaxText cannot turn"
                       " remat off)")
-  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--dtype", default="bfloat16,float32",
+                      help="compute dtypes, comma-separated (bf16 is what GPUs train in)")
   parser.add_argument("--steps", type=int, default=0, help="timed steps (default per model)")
   parser.add_argument("--warmup", type=int, default=0)
   parser.add_argument("--peak_file", default=os.path.join(HERE, "results", "peak.jsonl"))
@@ -100,7 +101,9 @@ def main() -> None:
       out.write(line + "\n")
       out.flush()
 
-  for spec in args.config or DEFAULT_CONFIGS:
+  dtypes = args.dtype.split(",")
+  for spec, dtype in [(s, d) for d in dtypes for s in args.config or DEFAULT_CONFIGS]:
+    args.dtype = dtype
     model, _, layout = spec.partition(":")
     steps, warmup = args.steps or STEPS[model][0], args.warmup or STEPS[model][1]
     runs = {"meshtron": [], "maxtext": []}

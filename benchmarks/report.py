@@ -86,18 +86,33 @@ def compile_section(scaling: list[dict]) -> list[str]:
 
 
 def compare_section(summary: list[dict]) -> list[str]:
+  """bf16 (what GPUs train in) as the headline, float32 beside it, one row per configuration."""
   if not summary:
     return []
+  by = {(r["model"], r["layout"], r["remat"], r.get("dtype", "float32")): r for r in summary}
+  configs = list(dict.fromkeys(key[:3] for key in by))
   out = ["meshtron vs MaxText (benchmarks/compare.py: same dims, batch, sequence, remat, dtype,"
-         " AdamW, synthetic data; runs alternate):", "",
-         "| model | layout | remat | meshtron tokens/s | MaxText tokens/s | ratio |"
-         " ratio per CPU-second |",
-         "| --- | --- | --- | --- | --- | --- | --- |"]
-  for r in summary:
-    out.append(f"| {r['model']} | {r['layout']} | {r['remat']} | {r['meshtron_median']:.0f} |"
-               f" {r['maxtext_median']:.0f} | **{r['ratio_meshtron_over_maxtext']:.2f}** |"
-               f" {_num(r.get('ratio_per_cpu_second'))} |")
+         " AdamW, synthetic data; runs alternate). MFU: model FLOPs over the measured matmul peak"
+         " of the dtype (benchmarks/peak.py):", "",
+         "| model | layout | remat | bf16: meshtron tokens/s | MaxText tokens/s | **ratio** |"
+         " MFU meshtron / MaxText | rounds | float32 ratio (rounds) |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for config in configs:
+    bf16, fp32 = by.get((*config, "bfloat16")), by.get((*config, "float32"))
+    cells = ["–"] * 5
+    if bf16 and bf16.get("ratio_meshtron_over_maxtext"):
+      cells = [f"{bf16['meshtron_median']:.0f}", f"{bf16['maxtext_median']:.0f}",
+               f"**{bf16['ratio_meshtron_over_maxtext']:.2f}**",
+               f"{_pct(bf16.get('meshtron_mfu'))} / {_pct(bf16.get('maxtext_mfu'))}",
+               f"{min(len(bf16['meshtron_tokens_per_s']), len(bf16['maxtext_tokens_per_s']))}"]
+    old = "–" if not fp32 or not fp32.get("ratio_meshtron_over_maxtext") else (
+        f"{fp32['ratio_meshtron_over_maxtext']:.2f} ({len(fp32['meshtron_tokens_per_s'])})")
+    out.append(f"| {' | '.join(config)} | {' | '.join(cells)} | {old} |")
   return out + [""]
+
+
+def _pct(value) -> str:
+  return "–" if value is None else f"{value:.0%}"
 
 
 def _num(value) -> str:
