@@ -115,10 +115,6 @@ def _pct(value) -> str:
   return "–" if value is None else f"{value:.0%}"
 
 
-def _num(value) -> str:
-  return "–" if value is None else f"{value:.2f}"
-
-
 def moe_section(moe: list[dict]) -> list[str]:
   if not moe:
     return []

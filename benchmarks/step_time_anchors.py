@@ -1,5 +1,6 @@
 """Predicted step time (sharding/xla/step_time.py, from the deviceless H100 program) beside three
-published H100 measurements (one of them also under meshtron's other context parallelism) of the same model, layout, sequence, batch and remat.
+published H100 measurements of the same model, layout, sequence, batch and remat (one of them
+also under meshtron's other context parallelism).
 
 Each anchor is compiled for its cluster without a GPU (`meshtron compile --target=h100xN`); the
 prediction's constants are the H100 profile's (sharding/plan/hardware.py), fixed with their

@@ -34,18 +34,13 @@ from models.moe import MoE, Experts
 from sharding import MeshConfig, dropless_experts
 from sharding.xla import compiled
 from tests import parallel_harness as harness
-from tests.test_fp8_recipes import h100_dots
+from tests.test_fp8_recipes import h100_dots, rel
 from tests.test_moe_parallel import MOE
 from tests.test_parallel import LOSS_RTOL
 from trainer.compile import compile_for_gpus
 
 FMAX = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 IMPLS = ("ragged_dot", "pallas")
-
-
-def rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def np_scale(amax):

@@ -160,12 +160,14 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(mismatched)};"
                             " use another --workdir or the checkpoint's model config")
-    written_fp8, wanted_fp8 = (_fp8_state(c.get("fp8")) for c in (saved, model_config))
+    written_fp8, wanted_fp8 = (_fp8_state(_as_dict(c.get("fp8"))) for c in (saved, model_config))
     if "fp8" in saved and written_fp8 != wanted_fp8:
+      flags = " ".join(f"--config.model.fp8.{k}={v}" for k, v in saved["fp8"].items()
+                       if k in ("enabled", "recipe", "amax_history", "targets"))
       raise CheckpointError(
           f"checkpoint {path} holds {_fp8_words(written_fp8)}, this run's model.fp8 wants"
           f" {_fp8_words(wanted_fp8)}: resume with the checkpoint's model.fp8 settings"
-          f" ({_fp8_flags(saved['fp8'])}), or start a new --workdir")
+          f" ({flags}), or start a new --workdir")
     written = stage_split.from_meta(meta.get("stage_layers"))
     target = target_state
     if written != tuple(stage_layers):
@@ -205,10 +207,14 @@ class Checkpointer:
           raise
 
 
-def _fp8_state(fp8) -> tuple:
-  """What of model.fp8 (a dict or an Fp8Config) is in the train state: delayed scaling keeps an
-  amax history per fp8 projection as a parameter; the current-scaling recipes keep nothing."""
-  fp8 = fp8 if isinstance(fp8, dict) or fp8 is None else dataclasses.asdict(fp8)
+def _as_dict(config) -> dict | None:
+  """A config section as the checkpoint's metadata stores it (callers pass dataclasses too)."""
+  return config if isinstance(config, dict) or config is None else dataclasses.asdict(config)
+
+
+def _fp8_state(fp8: dict | None) -> tuple:
+  """What of model.fp8 is in the train state: delayed scaling keeps an amax history per fp8
+  projection as a parameter; the current-scaling recipes keep nothing."""
   if not fp8 or not fp8.get("enabled") or fp8.get("recipe", "delayed") != "delayed":
     return ()
   return (fp8.get("amax_history"), fp8.get("targets"))
@@ -217,12 +223,6 @@ def _fp8_state(fp8) -> tuple:
 def _fp8_words(state: tuple) -> str:
   return (f"delayed-scaling amax histories of {state[0]} steps for {state[1]}" if state
           else "no fp8 amax histories")
-
-
-def _fp8_flags(fp8) -> str:
-  fp8 = fp8 if isinstance(fp8, dict) else dataclasses.asdict(fp8)
-  return " ".join(f"--config.model.fp8.{k}={v}" for k, v in fp8.items()
-                  if k in ("enabled", "recipe", "amax_history", "targets"))
 
 
 def _first_line(error: Exception) -> str:
