@@ -62,26 +62,38 @@ def transposed(eqn: str) -> tuple[str, str]:
 
 
 def _dot(eqn, a, b, scale_a, scale_b, dtype):
-  y = jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
-  return (y / (scale_a * scale_b)).astype(dtype)
+  # The GEMM accumulates in float32 and returns `dtype`, as the bf16 step's GEMMs do: where XLA
+  # splits the contraction over devices (dw under data parallelism, the o and down projections
+  # under tensor parallelism), it reduces the partial results in that dtype, not in float32.
+  y = jnp.einsum(eqn, a, b, preferred_element_type=dtype)
+  return (y.astype(jnp.float32) / (scale_a * scale_b)).astype(dtype)
+
+
+def quantize_weight(w: jax.Array, w_history: jax.Array, margin: int):
+  """(fp8 w, its scale, w_history with max|w| rolled in): what one step uses for w, whichever
+  microbatch (models/fp8_weights.py computes it once per step)."""
+  scale = scale_from_history(w_history, E4M3, margin)
+  return quantize(w, scale, E4M3), scale, roll_in(w_history, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def fp8_einsum(eqn: str, margin: int, x, w, x_history, w_history, g_history):
-  """einsum(eqn, x, w) in fp8; x in the compute dtype (the result's), w in the param dtype.
+def fp8_einsum(eqn: str, margin: int, x, w, x_history, w_history, g_history, weight=None):
+  """einsum(eqn, x, w) in fp8; x in the compute dtype (the result's), w in dw's dtype.
 
   Differentiating gives dx and dw (computed from the same fp8 operands and the e5m2 gradient)
-  and, for the three histories, their updated values (see the module docstring).
+  and, for the three histories, their updated values (see the module docstring). `weight`:
+  quantize_weight(w, w_history, margin) computed beforehand (then w only types dw), or None.
   """
-  return _forward(eqn, margin, x, w, x_history, w_history, g_history)[0]
+  return _forward(eqn, margin, x, w, x_history, w_history, g_history, weight)[0]
 
 
-def _forward(eqn, margin, x, w, x_history, w_history, g_history):
-  sx, sw = scale_from_history(x_history, E4M3, margin), scale_from_history(w_history, E4M3, margin)
-  qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+def _forward(eqn, margin, x, w, x_history, w_history, g_history, weight=None):
+  sx = scale_from_history(x_history, E4M3, margin)
+  qx = quantize(x, sx, E4M3)
+  qw, sw, new_w_history = weight if weight is not None else quantize_weight(w, w_history, margin)
   y = _dot(eqn, qx, qw, sx, sw, x.dtype)
   # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4).
-  residuals = (qx, qw, sx, sw, roll_in(x_history, x), roll_in(w_history, w), g_history,
+  residuals = (qx, qw, sx, sw, roll_in(x_history, x), new_w_history, g_history,
                jnp.zeros((), w.dtype))
   return y, residuals
 
@@ -93,7 +105,8 @@ def _backward(eqn, margin, residuals, g):
   dx_eqn, dw_eqn = transposed(eqn)
   dx = _dot(dx_eqn, qg, qw, sg, sw, g.dtype)
   dw = _dot(dw_eqn, qx, qg, sx, sg, w_zero.dtype)
-  return dx, dw, x_history, w_history, roll_in(g_history, g)
+  # None: no cotangent for a precomputed weight (it is not differentiated; w gets dw).
+  return dx, dw, x_history, w_history, roll_in(g_history, g), None
 
 
 fp8_einsum.defvjp(_forward, _backward)

@@ -132,28 +132,42 @@ def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
   """einsum of two fp8 operands with a float32 result, divided by both operands' scales (per
   block, then the blocks summed in float32, when the contraction is blocked)."""
   k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
+  # float32 accumulation in the GEMM; its result in `dtype` (models/fp8.py's _dot says why)
+  # unless blocks are to be rescaled and summed, in float32.
   partial = jnp.einsum(f"{a.spec},{b.spec}->{k}{gemm.out}", a.q, b.q,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32 if k else dtype)
   scale = _expand(a.scale, a.scale_spec, k + gemm.out) * _expand(b.scale, b.scale_spec,
                                                                  k + gemm.out)
-  y = partial / scale
+  y = partial.astype(jnp.float32) / scale
   return (jnp.sum(y, axis=0) if k else y).astype(dtype)
 
 
+def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Tensorwise: (fp8 w, its scale), the same for every GEMM of w (models/fp8_weights.py
+  computes it once per step, before the microbatches)."""
+  scale = scale_from_amax(jnp.max(jnp.abs(w)), E4M3)
+  return quantize(w, scale, E4M3), scale
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=None) -> jax.Array:
   """einsum(eqn, x, w) in fp8 with current scaling (`recipe` in RECIPES), any two-operand eqn.
 
-  x: the activation, in the compute dtype (the result's); w: the weight, in the param dtype (dw's).
-  Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient.
+  x: the activation, in the compute dtype (the result's); w: the weight, in dw's dtype (the
+  projections pass its compute-dtype copy: models/layers.py).
+  Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient. `weight`, for
+  tensorwise: quantize_weight(w) computed beforehand (then w only types dw), or None.
   """
-  return _forward(recipe, eqn, x, w)[0]
+  return _forward(recipe, eqn, x, w, weight)[0]
 
 
-def _forward(recipe, eqn, x, w):
+def _forward(recipe, eqn, x, w, weight=None):
   gemm = Gemm.parse(eqn)
   qx = quantize_operand(recipe, x, gemm, 0, E4M3)
-  qw = quantize_operand(recipe, w, gemm, 1, E4M3, weight=True)
+  if weight is not None and recipe != "tensorwise":
+    raise ValueError(f"a weight quantized beforehand is tensorwise, not {recipe!r}")
+  qw = (quantize_operand(recipe, w, gemm, 1, E4M3, weight=True) if weight is None
+        else Quantized(weight[0], gemm.b, weight[1], ""))
   # Residuals. tensorwise: the fp8 operands and their scales (1 byte per element), whose scales do
   # not depend on the contraction. rowwise and blockwise: x in the compute dtype (2 bytes per
   # element in bf16, twice tensorwise's) and w as given (the parameter, which FSDP gathers again
@@ -177,7 +191,9 @@ def _backward(recipe, eqn, residuals, g):
               quantize_operand(recipe, w, dx_gemm, 1, E4M3, weight=True))
     dw_ops = (quantize_operand(recipe, x, dw_gemm, 0, E4M3),
               quantize_operand(recipe, g, dw_gemm, 1, E5M2))
-  return scaled_matmul(dx_gemm, *dx_ops, g.dtype), scaled_matmul(dw_gemm, *dw_ops, w_zero.dtype)
+  # None: no cotangent for a precomputed weight (it is not differentiated; w gets dw).
+  return (scaled_matmul(dx_gemm, *dx_ops, g.dtype), scaled_matmul(dw_gemm, *dw_ops, w_zero.dtype),
+          None)
 
 
 quantized_einsum.defvjp(_forward, _backward)

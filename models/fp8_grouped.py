@@ -24,8 +24,7 @@ paths quantize alike so that they compute the same numbers. Current scaling puts
 amax at e4m3's 448 (torchao's rowwise recipe and DeepSeek-V3 keep gradients in e4m3 likewise).
 
 Weights are quantized from the copy the dropless region receives (the compute dtype, what FSDP
-gathers into it), not from the parameter: with float32 parameters and bf16 compute they round to
-bf16 first, where the einsum dispatch quantizes the float32 parameter.
+gathers into it), as the einsum dispatch's projections quantize theirs (models/layers.py).
 
 Sharding: inside the dropless shard_map each device holds some rows, experts and hidden columns
 (sharding/expert.py's ExpertAxes); every amax is pmax'ed over the mesh axes that spread its

@@ -38,6 +38,7 @@ class Einsum(nnx.Module):
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                 in_axis=tuple(fan_in_dims), out_axis=out_dims)
     self.w = logical_param(init(rngs.params(), tuple(shape), param_dtype), names)
+    self.weight_rank = len(shape)  # w's own dims: stacking (nnx.vmap) adds dims before them
     self.dtype = dtype
     self.fp8_recipe = fp8.recipe if fp8 is not None else None  # plain str and int: static
     self.fp8_margin = fp8.margin if fp8 is not None else None
@@ -47,12 +48,16 @@ class Einsum(nnx.Module):
                                           (fp8_ops.FP8_HISTORY,)))
 
   def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-    if self.fp8_recipe == "delayed":
-      return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x.astype(self.dtype), self.w[...],
-                                *(getattr(self, n)[...] for n in fp8_ops.HISTORIES))
-    if self.fp8_recipe is not None:
-      return quantized_einsum(self.fp8_recipe, eqn, x.astype(self.dtype), self.w[...])
+    # The step's fp8 copy of w, when the train step quantized it once (models/fp8_weights.py).
+    weight = self.w_fp8.get_value() if hasattr(self, "w_fp8") else None
+    # fp8 quantizes the compute-dtype copy of w, as the anchors quantize their bf16 weights; dw
+    # then leaves in the compute dtype, so its reduction moves what the bf16 step's does.
     x, w = x.astype(self.dtype), self.w[...].astype(self.dtype)
+    if self.fp8_recipe == "delayed":
+      return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x, w,
+                                *(getattr(self, n)[...] for n in fp8_ops.HISTORIES), weight)
+    if self.fp8_recipe is not None:
+      return quantized_einsum(self.fp8_recipe, eqn, x, w, weight)
     if eqn.startswith("BL") and "->BL" in eqn and not tokens_split():
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
       # weight gradient then contracts one dim of row-major operands; with two, XLA:CPU copies

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from models.fp8_weights import attach as fp8_attach, quantize_weights
 from sharding import (constrain, constrain_tree, excluding, gradient_replica_axes, stage_split,
                       zigzag)
 from sharding.pipeline import pipeline_stages
@@ -28,8 +29,10 @@ def make_loss_sums(graphdef, cfg: StepConfig):
   # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
   present = stage_split.present_rows(cfg.stage_layers, flat=True)
 
-  def loss_sums(params, batch):
+  def loss_sums(params, batch, fp8_weights=None):
     model = nnx.merge(graphdef, params)
+    if fp8_weights:  # quantized once per step, outside the differentiated function
+      fp8_attach(model, fp8_weights)
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
                               batch["segment_ids"], present)
     loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg)
@@ -63,24 +66,26 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
   They are constrained to the gradient view of the layout (sharded over `data` from ZeRO-2 on,
   also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and the mean is cast
   back to each parameter's dtype. fp8 amax histories travel as new state (trainer/non_gradient).
+  Tensorwise and delayed fp8 weights are quantized once, before the microbatches
+  (models/fp8_weights.py), so FSDP gathers them in fp8 once per step.
   """
   grad_fn = jax.grad(make_loss_sums(graphdef, cfg), has_aux=True)
   state = NonGradient(names)
   accum_dtype = jnp.dtype(cfg.grad_accum_dtype)
 
-  def sharded_grad_fn(params, batch):
-    grads, stats = grad_fn(params, batch)
+  def sharded_grad_fn(params, batch, fp8_weights):
+    grads, stats = grad_fn(params, batch, fp8_weights)
     return constrain_tree(grads, names, "grads"), stats
 
-  def replica_grads(params, micro):
+  def replica_grads(params, micro, fp8_weights):
     """Per-replica partial sums [R, ...]: each data-parallel replica differentiates its own rows
     and keeps the result, so accumulation needs no communication (R = 1 without replicas)."""
     axes, replicas = gradient_replica_axes()
     per_replica = {k: v.reshape(replicas, v.shape[0] // replicas, *v.shape[1:])
                    for k, v in micro.items()}
     with excluding(axes):
-      return jax.vmap(sharded_grad_fn, in_axes=(None, 0), spmd_axis_name=axes or None)(
-          params, per_replica)
+      return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None), spmd_axis_name=axes or None)(
+          params, per_replica, fp8_weights)
 
   pipelined = make_pipeline_grads_fn(graphdef, cfg, split_microbatches=split_microbatches,
                                      is_fp8=state.is_fp8)
@@ -90,22 +95,23 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
     # The sequence order under context parallelism: load-balanced, or contiguous with a sliding
     # window or Ulysses (sharding.context_parallel.load_balanced); unchanged without it. The
     # model's attention reads the same window and impl, so it knows which order it gets.
-    model = nnx.merge(graphdef, params).config
-    batch = zigzag(batch, model.sliding_window, model.context_impl)
+    model = nnx.merge(graphdef, params)
+    batch = zigzag(batch, model.config.sliding_window, model.config.context_impl)
     if pipeline_stages() > 1:  # the one place a layout changes the computation's structure
       grads, stats = pipelined(params, batch)
       grads = state.normalize(grads, jnp.maximum(stats["tokens"], 1.0))
       return constrain_tree(grads, names, "grads"), stats
+    fp8_weights = quantize_weights(model)
     if cfg.microbatches == 1:
-      grads, stats = sharded_grad_fn(params, batch)
+      grads, stats = sharded_grad_fn(params, batch, fp8_weights)
     else:
       def accumulate(carry, micro):
-        grads, stats = replica_grads(params, micro)
+        grads, stats = replica_grads(params, micro, fp8_weights)
         return (state.combine(carry[0], grads), jax.tree.map(jnp.add, carry[1], stats)), None
 
       micro = split_microbatches(batch, cfg.microbatches)
       first = jax.tree.map(lambda x: x[0], micro)
-      shapes, stat_shapes = jax.eval_shape(replica_grads, params, first)
+      shapes, stat_shapes = jax.eval_shape(replica_grads, params, first, fp8_weights)
       zeros = (state.zeros(shapes, accum_dtype), jax.tree.map(jnp.zeros_like, stat_shapes))
       (grads, stats), _ = jax.lax.scan(accumulate, zeros, micro)
       # The one reduction over replicas (an all-reduce, or a reduce-scatter under ZeRO-1).

@@ -1,0 +1,132 @@
+"""fp8 weights quantized once per step (models/fp8_weights.py): the same numbers as quantizing in
+each GEMM, and a step whose microbatch loop quantizes no weight.
+
+Equalities here are exact (np.testing.assert_array_equal): the weight quantized beforehand is the
+very array the GEMM would have computed, and everything after it is the same program.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import llama
+from models import builder
+from models.config import Fp8Config
+from models.fp8 import fp8_einsum, quantize_weight as delayed_weight
+from models.fp8_current import quantize_weight as tensorwise_weight, quantized_einsum
+from models.fp8_weights import RECIPES, QuantizedWeight, quantize_weights
+from trainer.config import StepConfig
+from trainer.step import make_grads_fn, make_loss_sums
+
+EQN = "BLD,DHd->BLHd"
+
+
+@pytest.fixture(scope="module")
+def operands():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 5, 32)) * 3, jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(32, 4, 8)) * 0.1, jnp.bfloat16)
+  c = jnp.asarray(rng.normal(size=(2, 5, 4, 8)) * 1e-3, jnp.float32)  # the output gradient
+  histories = [jnp.asarray(h, jnp.float32) for h in
+               ([0.0, 2.5, 7.0, 1.0], [0.3, 0.0, 0.0, 0.0], [4e-3, 5e-3, 0.0, 0.0])]
+  return x, w, c, histories
+
+
+def _value_and_grads(fn, x, w, c, histories):
+  """y, and the cotangents of x, w and the histories, for the loss sum(y * c)."""
+  loss = lambda x, w, *h: jnp.sum(fn(x, w, *h).astype(jnp.float32) * c)
+  return fn(x, w, *histories), jax.grad(loss, argnums=tuple(range(2 + len(histories))))(
+      x, w, *histories)
+
+
+def test_a_weight_quantized_beforehand_gives_the_same_numbers(operands):
+  """Tensorwise and delayed: the forward, dx, dw and (delayed) the three histories' new values
+  are bit-identical whether the GEMM quantizes w or is handed quantize_weight(w)."""
+  x, w, c, histories = operands
+  per_gemm = _value_and_grads(lambda x, w: quantized_einsum("tensorwise", EQN, x, w), x, w, c, [])
+  weight = QuantizedWeight(*tensorwise_weight(w), None)
+  once = _value_and_grads(lambda x, w: quantized_einsum("tensorwise", EQN, x, w, weight),
+                          x, w, c, [])
+  jax.tree.map(np.testing.assert_array_equal, per_gemm, once)
+  assert weight.q.dtype == jnp.float8_e4m3fn and weight.scale.shape == ()
+
+  per_gemm = _value_and_grads(lambda x, w, *h: fp8_einsum(EQN, 1, x, w, *h), x, w, c, histories)
+  weight = QuantizedWeight(*delayed_weight(w, histories[1], 1))
+  once = _value_and_grads(lambda x, w, *h: fp8_einsum(EQN, 1, x, w, *h, weight), x, w, c,
+                          histories)
+  jax.tree.map(np.testing.assert_array_equal, per_gemm, once)
+  assert float(once[1][3][0]) == float(jnp.max(jnp.abs(w.astype(jnp.float32))))  # rolled in
+
+
+def small_model(recipe: str):
+  cfg = llama.debug().model
+  return dataclasses.replace(cfg, num_layers=2, dtype="bfloat16",
+                             fp8=Fp8Config(enabled=True, recipe=recipe, amax_history=4))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_model_with_its_weights_quantized_once_equals_quantizing_in_each_gemm(recipe):
+  """A whole model (layer stack scanned, every projection in fp8): one QuantizedWeight per fp8
+  projection, with a scale per layer of its stack; the loss and every gradient (histories
+  included) are bit-identical with and without them."""
+  model_cfg = small_model(recipe)
+  graphdef, _ = builder.abstract_model(model_cfg)
+  params = builder.init_params(model_cfg, jax.random.key(0))
+  weights = quantize_weights(nnx.merge(graphdef, params))
+  layers = model_cfg.num_layers
+  assert len(weights) == 7 and all(w.scale.shape == (layers,) for w in weights.values())
+  assert all((w.history is None) == (recipe == "tensorwise") for w in weights.values())
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, model_cfg.vocab_size, (2, 33)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "positions": np.tile(np.arange(32, dtype=np.int32), (2, 1)),
+           "segment_ids": np.ones((2, 32), np.int32), "loss_mask": np.ones((2, 32), np.float32)}
+  grad = jax.jit(jax.grad(make_loss_sums(graphdef, StepConfig()), has_aux=True))
+  per_gemm, stats = grad(params, batch)
+  once, stats_once = grad(params, batch, weights)
+  np.testing.assert_array_equal(stats["loss_sum"], stats_once["loss_sum"])
+  jax.tree.map(np.testing.assert_array_equal, per_gemm, once)
+
+
+def _weight_converts(jaxpr, shapes, inside_scan=False, found=None):
+  """{"inside": n, "outside": n}: conversions to e4m3 of arrays of `shapes` (the weights), by
+  whether they sit inside the microbatch scan (a scan of length 2)."""
+  found = found if found is not None else {"inside": 0, "outside": 0}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "convert_element_type" and \
+        eqn.params["new_dtype"] == jnp.float8_e4m3fn and \
+        tuple(eqn.invars[0].aval.shape) in shapes:
+      found["inside" if inside_scan else "outside"] += 1
+    inner = inside_scan or (eqn.primitive.name == "scan" and eqn.params["length"] == 2)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          _weight_converts(sub, shapes, inner, found)
+  return found
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_microbatch_loop_quantizes_no_weight(recipe):
+  """With 2 microbatches, tensorwise quantizes every weight before the loop and none inside it;
+  rowwise (two quantizations per weight, one per GEMM contraction) quantizes inside it."""
+  model_cfg = small_model(recipe)
+  graphdef, abstract = builder.abstract_model(model_cfg)
+  names = builder.param_names(model_cfg)
+  params = abstract
+  grads_fn = make_grads_fn(graphdef, names, StepConfig(microbatches=2))
+  batch = {k: jax.ShapeDtypeStruct((4, 32), jnp.float32 if k == "loss_mask" else jnp.int32)
+           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  jaxpr = jax.make_jaxpr(grads_fn)(params, batch).jaxpr
+  tensorwise, _ = builder.abstract_model(small_model("tensorwise"))
+  stacks = [w.q.shape for w in jax.eval_shape(
+      lambda p: quantize_weights(nnx.merge(tensorwise, p)), abstract).values()]
+  found = _weight_converts(jaxpr, {*stacks, *(s[1:] for s in stacks)})
+  if recipe == "tensorwise":  # each of the 7 projections' stack, once
+    assert found == {"inside": 0, "outside": len(stacks)} and len(stacks) == 7, found
+  else:
+    assert found["inside"] > 0 and found["outside"] == 0, found
