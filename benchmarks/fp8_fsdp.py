@@ -5,6 +5,7 @@ and counts, peak memory) and meshtron's step-time prediction (sharding/xla/step_
 wall time.
 
   .venv/bin/python benchmarks/fp8_fsdp.py [--recipes bf16,tensorwise] [--microbatches 1,2]
+      [--xla_options xla_gpu_enable_triton_gemm=false]
 
 One JSON line per (recipe, microbatches); "vs_bf16" divides by the bf16 line of the same
 microbatches. benchmarks/results/fp8_fsdp.jsonl holds the last full run.
@@ -25,8 +26,9 @@ SEQ = 4096
 RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise")
 
 
-def config(recipe: str, microbatches: int):
+def config(recipe: str, microbatches: int, xla_options: str = ""):
   cfg = llama.large("playbook_8b")
+  cfg.xla_options = xla_options
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=1, fsdp=8), 8 * microbatches, SEQ
   cfg.microbatches = microbatches
   fp8 = Fp8Config(enabled=recipe != "bf16", recipe="delayed" if recipe == "bf16" else recipe)
@@ -51,13 +53,15 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--recipes", default=",".join(RECIPES))
   parser.add_argument("--microbatches", default="1,2")
+  parser.add_argument("--xla_options", default="",
+                      help="e.g. xla_gpu_enable_triton_gemm=false: cuBLASLt fp8 GEMMs")
   args = parser.parse_args()
   target = compiled.parse_gpu_target("h100x8")
   for microbatches in map(int, args.microbatches.split(",")):
     bf16 = None
     for recipe in args.recipes.split(","):
       start = time.perf_counter()
-      row = facts(compile_for_gpus(config(recipe, microbatches), target))
+      row = facts(compile_for_gpus(config(recipe, microbatches, args.xla_options), target))
       if recipe == "bf16":
         bf16 = row
       elif bf16 is not None:
@@ -69,7 +73,8 @@ def main() -> None:
             "peak": row["peak_gib"] / bf16["peak_gib"],
             "predicted_step": row["predicted_step_s"] / bf16["predicted_step_s"]}
       print(json.dumps({"model": "playbook_8b", "target": target.name, "layout": "fsdp=8",
-                        "recipe": recipe, "microbatches": microbatches, "seq": SEQ, **row,
+                        "recipe": recipe, "microbatches": microbatches, "seq": SEQ,
+                        "xla_options": args.xla_options, **row,
                         "compile_s": time.perf_counter() - start}), flush=True)
 
 

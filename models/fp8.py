@@ -61,12 +61,18 @@ def transposed(eqn: str) -> tuple[str, str]:
   return f"{out},{w}->{x}", f"{x},{out}->{w}"
 
 
-def _dot(eqn, a, b, scale_a, scale_b, dtype):
-  # The GEMM accumulates in float32 and returns `dtype`, as the bf16 step's GEMMs do: where XLA
-  # splits the contraction over devices (dw under data parallelism, the o and down projections
-  # under tensor parallelism), it reduces the partial results in that dtype, not in float32.
+def scaled_dot(eqn, a, b, scale_a, scale_b, dtype):
+  """einsum of two fp8 operands with per-tensor scales, divided by both scales, in `dtype`.
+
+  The GEMM accumulates in float32 and returns `dtype`, as the bf16 step's GEMMs do: where XLA
+  splits the contraction over devices (dw under data parallelism, the o and down projections
+  under tensor parallelism), it reduces the partial results in that dtype, not in float32. The
+  scales divide in `dtype` too, as flax's fp8_ops dequantizes: that is the pattern XLA:GPU folds
+  into a cuBLASLt fp8 GEMM's scale operand (tests/test_fp8_recipes.py). In bf16 the product of
+  the two scales rounds to bf16 (relative 2^-9, one factor per GEMM); in float32 nothing rounds.
+  """
   y = jnp.einsum(eqn, a, b, preferred_element_type=dtype)
-  return (y.astype(jnp.float32) / (scale_a * scale_b)).astype(dtype)
+  return y / (scale_a * scale_b).astype(dtype)
 
 
 def quantize_weight(w: jax.Array, w_history: jax.Array, margin: int):
@@ -91,7 +97,7 @@ def _forward(eqn, margin, x, w, x_history, w_history, g_history, weight=None):
   sx = scale_from_history(x_history, E4M3, margin)
   qx = quantize(x, sx, E4M3)
   qw, sw, new_w_history = weight if weight is not None else quantize_weight(w, w_history, margin)
-  y = _dot(eqn, qx, qw, sx, sw, x.dtype)
+  y = scaled_dot(eqn, qx, qw, sx, sw, x.dtype)
   # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4).
   residuals = (qx, qw, sx, sw, roll_in(x_history, x), new_w_history, g_history,
                jnp.zeros((), w.dtype))
@@ -103,8 +109,8 @@ def _backward(eqn, margin, residuals, g):
   sg = scale_from_history(g_history, E5M2, margin)
   qg = quantize(g, sg, E5M2)
   dx_eqn, dw_eqn = transposed(eqn)
-  dx = _dot(dx_eqn, qg, qw, sg, sw, g.dtype)
-  dw = _dot(dw_eqn, qx, qg, sx, sg, w_zero.dtype)
+  dx = scaled_dot(dx_eqn, qg, qw, sg, sw, g.dtype)
+  dw = scaled_dot(dw_eqn, qx, qg, sx, sg, w_zero.dtype)
   # None: no cotangent for a precomputed weight (it is not differentiated; w gets dw).
   return dx, dw, x_history, w_history, roll_in(g_history, g), None
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.fp8 import E4M3, E5M2, quantize, scale_from_amax, transposed
+from models.fp8 import E4M3, E5M2, quantize, scale_from_amax, scaled_dot, transposed
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 BLOCK = 128  # DeepSeek-V3's tile: 1 x 128 activations and gradients, 128 x 128 weights
@@ -129,11 +129,13 @@ def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
 
 
 def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
-  """einsum of two fp8 operands with a float32 result, divided by both operands' scales (per
+  """einsum of two fp8 operands with float32 accumulation, divided by both operands' scales (per
   block, then the blocks summed in float32, when the contraction is blocked)."""
+  if not a.scale_spec and not b.scale_spec:  # tensorwise: as delayed scaling's GEMMs
+    return scaled_dot(f"{a.spec},{b.spec}->{gemm.out}", a.q, b.q, a.scale, b.scale, dtype)
   k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
-  # float32 accumulation in the GEMM; its result in `dtype` (models/fp8.py's _dot says why)
-  # unless blocks are to be rescaled and summed, in float32.
+  # The result in `dtype` (models/fp8.py's scaled_dot says why) unless blocks are to be rescaled
+  # and summed, in float32; the per-row scales divide in float32 (no GEMM takes them).
   partial = jnp.einsum(f"{a.spec},{b.spec}->{k}{gemm.out}", a.q, b.q,
                        preferred_element_type=jnp.float32 if k else dtype)
   scale = _expand(a.scale, a.scale_spec, k + gemm.out) * _expand(b.scale, b.scale_spec,

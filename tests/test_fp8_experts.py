@@ -34,7 +34,8 @@ from models.moe import MoE, Experts
 from sharding import MeshConfig, dropless_experts
 from sharding.xla import compiled
 from tests import parallel_harness as harness
-from tests.test_fp8_recipes import h100_dots, rel
+from tests.test_fp8_h100_program import h100_dots
+from tests.test_fp8_recipes import rel
 from tests.test_moe_parallel import MOE
 from tests.test_parallel import LOSS_RTOL
 from trainer.compile import compile_for_gpus

@@ -1,6 +1,6 @@
 """fp8 current-scaling recipes (models/fp8_current.py): tensorwise, rowwise and blockwise against a
-numpy simulation, on a channel that jumps 1000x, in training, under sharding, and in the H100
-program.
+numpy simulation, on a channel that jumps 1000x, in training and under sharding (the H100
+program: tests/test_fp8_h100_program.py).
 
 Tolerances, stated once:
   * forward, dx and dw vs the numpy simulation (the GEMMs as 2-D matrix products tile by tile,
@@ -22,7 +22,6 @@ Tolerances, stated once:
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -33,18 +32,15 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from configs import llama
 from models import param_names
 from models.config import FP8_RECIPES, Fp8Config
 from models.fp8 import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
 from models.fp8_current import RECIPES, Gemm, quantize_operand, quantized_einsum
 from sharding import MeshConfig
 from sharding.plan import optimizer_cost
-from sharding.xla import compiled
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_parallel import LOSS_RTOL
-from trainer.compile import compile_for_gpus
 from trainer.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -347,43 +343,3 @@ def test_recipe_dots_are_fp8_inside_the_pipeline_stages(recipe):
   # 7 projections per layer, each a forward, a dx and a dw dot; blockwise splits none apart.
   assert sum("f8E5M2" not in line for line in f8) >= 7
   assert sum("f8E5M2" in line for line in f8) >= 14
-
-
-def h100_dots(text: str) -> list[tuple[str, tuple[str, ...], bool]]:
-  """(op_name, operand element types, inside a Triton GEMM fusion) of every dot in an HLO text."""
-  types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
-  out, computation = [], ""
-  for line in text.splitlines():
-    header = re.match(r"(?:ENTRY )?%([\w.\-]+) \(", line)  # unindented: a computation starts
-    computation = header.group(1) if header else computation
-    dot = re.search(r" dot\(([^)]*)\).*?op_name=\"([^\"]*)\"", line)
-    if dot:
-      operands = tuple(types.get(op, "?") for op in re.findall(r"%([\w.\-]+)", dot.group(1)))
-      out.append((dot.group(2), operands, computation.startswith("gemm_fusion")))
-  return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_gemms_in_the_h100_program(recipe, tmp_path):
-  """Deviceless compile for 8 H100s (data=4 x tensor=2, bf16 compute). Every dot but the (bf16)
-  output head's runs on f8 operands, e5m2 gradients included. What XLA emits, as for the delayed
-  recipe: Triton GEMM fusions on the f8 operands, no `__cublas$lt$matmul$f8` (deviceless there is
-  no autotuning; with xla_gpu_enable_triton_gemm=false XLA widens the f8 operands to f16 for a
-  plain cuBLASLt GEMM instead). The scaling is separate elementwise fusions around the GEMM; for
-  blockwise the contraction's blocks are a batch dim of the f8 GEMM ([blocks, ...] float32
-  partial products), then rescaled and summed in one fusion."""
-  cfg = llama.debug()
-  fp8 = Fp8Config(enabled=True, recipe=recipe)
-  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", fp8=fp8)
-  cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=4, tensor=2), 8, 64
-  hlo = tmp_path / "step.hlo"
-  compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(hlo))  # the gpu-aot extra
-  text = hlo.read_text()
-  dots = [d for d in h100_dots(text) if "TD,DV->TV" not in d[0]]  # the loss's output head
-  f8 = [d for d in dots if all(t.startswith("f8") for t in d[1])]
-  assert len(f8) == len(dots) >= 15, [d for d in dots if d not in f8]
-  assert any("f8e5m2" in d[1] for d in f8)
-  assert all(d[2] for d in f8) and "__cublas$lt$matmul$f8" not in text
-  blocked = [d for d in f8 if Gemm.parse("BLD,DF->BLF").blocks in d[0]]
-  assert bool(blocked) == (recipe == "blockwise")

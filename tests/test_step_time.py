@@ -110,6 +110,38 @@ def test_compute_between_start_and_done_hides_a_collective():
   assert a.exposed_communication_s == pytest.approx(max(0.0, reduce - gemm))
 
 
+_F8_PROGRAM = """HloModule f8, is_scheduled=true
+
+%gemm_computation (x: f8e4m3fn[4096,4096], y: f8e4m3fn[4096,4096]) -> bf16[4096,4096] {
+  %x = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %y = f8e4m3fn[4096,4096]{1,0} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f8e4m3fn[4096,4096], s: f32[]) -> (bf16[4096,4096], s8[4194304]) {
+  %x = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %gemm = bf16[4096,4096]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation
+  ROOT %cublas = (bf16[4096,4096]{1,0}, s8[4194304]{0}) custom-call(%x, %x, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+}
+"""
+
+
+def test_gemms_on_f8_operands_run_at_the_fp8_peak():
+  """A Triton-style fusion of a dot on two f8 operands and a cuBLASLt fp8 call, each 4096^3
+  (compute-bound): FLOPs over peak_fp8_flops x gemm_peak_fraction. The same fusion on bf16
+  operands takes the bf16 peak, twice as long on an H100."""
+  f8 = step_time.predict(_F8_PROGRAM, H100, top=10)
+  flops = 2 * 4096 ** 3
+  seconds = flops / (H100.peak_fp8_flops * H100.gemm_peak_fraction) + H100.kernel_overhead_s
+  for name in ("gemm", "cublas"):
+    assert op(f8, name)["flops"] == flops and op(f8, name)["seconds"] == pytest.approx(seconds)
+  bf16 = step_time.predict(_F8_PROGRAM.replace("f8e4m3fn", "bf16"), H100, top=10)
+  assert bf16 != f8 and op(bf16, "gemm")["seconds"] == pytest.approx(
+      flops / (H100.peak_bf16_flops * H100.gemm_peak_fraction) + H100.kernel_overhead_s)
+  assert H100.peak_fp8_flops == pytest.approx(2 * H100.peak_bf16_flops, rel=1e-3)
+
+
 @pytest.mark.parametrize("attrs, first", [
     ("replica_groups={{0,1,2,3},{4,5,6,7}}", [0, 1, 2, 3]),
     ("replica_groups=[2,4]<=[8]", [0, 1, 2, 3]),

@@ -42,7 +42,7 @@ class HardwareProfile:
   overlap: tuple = (("grad_sync", 0.8), ("param_sync", 0.0), ("zero3", 0.8), ("tensor", 0.2),
                     ("context", 0.8), ("pipeline", 0.5), ("expert", 0.0))
   # ---- the compiled-program model (sharding/xla/step_time.py); each value's source below ----
-  gemm_peak_fraction: float = 0.807  # of peak_bf16_flops a large GEMM reaches
+  gemm_peak_fraction: float = 0.807  # of the peak (bf16, or fp8 for f8 GEMMs) a large GEMM reaches
   flash_triton_fraction: float = 0.35  # of peak, a Triton (Pallas) flash-attention kernel
   flash_cudnn_fraction: float = 0.60  # of peak, cuDNN's fused attention
   copy_bandwidth: float = 3.0e12  # bytes/s read + written by a memory-bound kernel
@@ -68,7 +68,11 @@ GIB = 2 ** 30
 # The compiled-program model's constants (fixed before its comparison with published anchors):
 # - gemm_peak_fraction: a 8192^3 bf16 matrix product of random data ran at 798 TFLOP/s on this
 #   workplace's H100 (device machine notes, 2026-11-13) and 769-798 on its H200 (2026-11-04):
-#   798 / 989.4 = 0.807 (H100), 0.80 (H200). A100/B200: the H100 figure, not measured.
+#   798 / 989.4 = 0.807 (H100), 0.80 (H200). A100/B200: the H100 figure, not measured. fp8
+#   GEMMs (sharding/xla/step_time.py: cuBLASLt fp8 calls, dots on f8 operands) take the same
+#   fraction of peak_fp8_flops, not measured here: a public cuBLASLt e4m3 x e4m3 -> bf16 8192^3
+#   benchmark on 16 Hopper SXM GPUs ran at 1,599-1,631 TFLOP/s, 0.81-0.82 of 1,979
+#   (gitea.d-robotics.cc/han.zhao/test_gpu_scripts, reports_cublaslt_fp8_crosscheck_20260524.md).
 # - flash_triton_fraction: FlashAttention-2 (the Triton/Pallas kernel's algorithm) reaches 35% of
 #   an H100's bf16 peak (FlashAttention-3, arXiv:2407.08608, abstract). flash_cudnn_fraction:
 #   cuDNN's fused attention about 600 of 989 TFLOP/s at head dim 128 (ibid., Fig. 5), approximate.

@@ -9,8 +9,9 @@ blocks the compute stream.
 
 - A kernel costs max(FLOPs / (peak x fraction), bytes / copy bandwidth) + launch overhead:
   FLOPs of the dots it holds (fusions, nested fusions) or of a cuBLAS GEMM call (from its
-  contracting dims); the flash-attention Triton kernels by name (forward 2 matmuls, dQ 3, dK/dV
-  4, each 2·B·H·L²·d halved for the causal mask) at the flash fraction. Bytes: operands read and
+  contracting dims), at the fp8 peak for a GEMM on f8 operands; the flash-attention Triton
+  kernels by name (forward 2 matmuls, dQ 3, dK/dV 4, each 2·B·H·L²·d halved for the causal
+  mask) at the flash fraction. Bytes: operands read and
   results written, where an operand only sliced (dynamic-slice, gather) counts its slices and an
   in-place dynamic-update-slice its update.
 - A collective costs its ring wire bytes (hlo.Collective.wire_bytes) over the bus bandwidth of
@@ -92,7 +93,9 @@ class _Walk:
     p = self.profile
     flops, fraction, kind = self.kernel_flops(ins, types)
     moved = self.kernel_bytes(ins, types)
-    seconds = max(flops / (p.peak_bf16_flops * fraction) if flops else 0.0,
+    peak = p.peak_fp8_flops if kind == "gemm" and self.is_f8_gemm(ins, types) else \
+        p.peak_bf16_flops
+    seconds = max(flops / (peak * fraction) if flops else 0.0,
                   moved / p.copy_bandwidth) + p.kernel_overhead_s
     self.record(OpCost(ins.name, kind if flops else "memory", seconds, count, flops, moved))
     return seconds
@@ -128,6 +131,23 @@ class _Walk:
       return (sum(self.flops_of.flops(c) for c in hlo.callees(ins) if c in self.comps),
               p.gemm_peak_fraction, "gemm")
     return 0.0, 1.0, "memory"
+
+  def is_f8_gemm(self, ins: hlo.Instr, types: dict) -> bool:
+    """A cuBLASLt fp8 call, or a dot (or a fusion holding one) on two f8 operands: it runs on
+    the fp8 tensor cores (peak_fp8_flops)."""
+    if ins.op == "custom-call":
+      return 'custom_call_target="__cublas$lt$matmul$f8"' in ins.attrs
+    if ins.op == "dot":
+      kinds = [hlo.arrays(types.get(o, "")) for o in hlo.operands(ins)[:2]]
+      return len(kinds) == 2 and all(k and k[0][0].startswith("f8") for k in kinds)
+    if ins.op != "fusion":
+      return False
+    for comp in hlo.callees(ins):
+      body = self.comps.get(comp, [])
+      body_types = {x.name: x.type for x in body}
+      if any(self.is_f8_gemm(x, body_types) for x in body if x.op in ("dot", "fusion")):
+        return True
+    return False
 
   def kernel_bytes(self, ins: hlo.Instr, types: dict) -> float:
     nbytes = lambda type_str: hlo._nbytes(hlo.arrays(type_str))  # noqa: E731
