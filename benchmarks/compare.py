@@ -9,9 +9,14 @@ less. Both sides' tokens/s are from the *mean* step time of their timed steps (M
 the mean: its host-side step times jitter under asynchronous dispatch; the mean is total time over
 steps). MFU of both uses meshtron's model FLOPs per token and the measured matmul peak.
 
+"Each at its best" (--meshtron_remat none --remat selective): meshtron without recomputation
+against MaxText's least recomputing policy (MaxText checkpoints every layer whatever its policy);
+the summary's "remat" then names both ("none/selective").
+
 Usage (or --summarize FILE to recompute the summaries of every run in FILE):
   python benchmarks/compare.py [--config tiny:single --config "100m:fsdp=4,tensor=2" ...]
-      [--rounds 3] [--remat full] [--dtype bfloat16,float32] [--steps 15 --warmup 5]
+      [--rounds 3] [--remat full] [--meshtron_remat none] [--dtype bfloat16,float32]
+      [--steps 15 --warmup 5]
       [--peak_file benchmarks/results/peak.jsonl] [--out benchmarks/results/compare.jsonl]
 """
 
@@ -44,7 +49,8 @@ def last_json(text: str) -> dict | None:
 def run_meshtron(model: str, layout: str, args, steps: int, warmup: int) -> dict:
   cmd = [sys.executable, os.path.join(HERE, "train_step.py"), f"--model={model}",
          f"--layout={'' if layout == 'single' else layout}", f"--batch={args.batch}",
-         f"--seq={args.seq}", f"--remat={args.remat}", f"--dtype={args.dtype}",
+         f"--seq={args.seq}", f"--remat={args.meshtron_remat or args.remat}",
+         f"--dtype={args.dtype}",
          f"--steps={steps}", f"--warmup={warmup}", f"--peak_file={args.peak_file}",
          "--label=compare"]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -79,6 +85,8 @@ def main() -> None:
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--remat", default="full", help="full | selective (MaxText cannot turn"
                       " remat off)")
+  parser.add_argument("--meshtron_remat", default="",
+                      help="meshtron's remat when it differs from MaxText's (--remat)")
   parser.add_argument("--dtype", default="bfloat16,float32",
                       help="compute dtypes, comma-separated (bf16 is what GPUs train in)")
   parser.add_argument("--steps", type=int, default=0, help="timed steps (default per model)")
@@ -112,6 +120,8 @@ def main() -> None:
       for name, fn in (("meshtron", run_meshtron), ("maxtext", run_maxtext)):
         row = fn(model, layout or "single", args, steps, warmup)
         row["round"] = round_
+        if args.meshtron_remat and args.meshtron_remat != args.remat:
+          row["pairing"] = pairing(args.meshtron_remat, args.remat)
         if name == "meshtron" and "tokens_per_s" in row:
           flops_per_token = row["model_gflops_per_s"] * 1e9 / row["tokens_per_s"]
           peak = row["peak_gflops"] * 1e9
@@ -119,8 +129,14 @@ def main() -> None:
         key = "tokens_per_s_mean" if name == "meshtron" else "tokens_per_s"
         if row.get(key):
           runs[name].append(row[key])
-    emit(summarize(model, layout or "single", args.remat, args.dtype, runs, flops_per_token,
-                   peak))
+    emit(summarize(model, layout or "single", pairing(args.meshtron_remat or args.remat,
+                                                      args.remat), args.dtype, runs,
+                   flops_per_token, peak))
+
+
+def pairing(meshtron_remat: str, maxtext_remat: str) -> str:
+  """The summary's "remat": one name at equal settings, else "meshtron's/MaxText's"."""
+  return meshtron_remat if meshtron_remat == maxtext_remat else f"{meshtron_remat}/{maxtext_remat}"
 
 
 def tokens_per_cpu_s(row: dict) -> float | None:
@@ -161,7 +177,7 @@ def summarize_file(path: str, peak_file: str = "") -> list[dict]:
     row = json.loads(line)
     if row.get("benchmark") != "train_step" or row.get("error"):
       continue
-    key = (row["model"], row["layout"], row["remat"], row["dtype"])
+    key = (row["model"], row["layout"], row.get("pairing", row["remat"]), row["dtype"])
     runs, info = groups.setdefault(key, ({"meshtron": [], "maxtext": []}, {}))
     value = row.get("tokens_per_s_mean" if row["trainer"] == "meshtron" else "tokens_per_s")
     if value:

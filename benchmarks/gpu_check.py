@@ -13,6 +13,8 @@ Phases, each one command of at most ~8 minutes on one H100 (`all` runs them in o
            the jax-triton RMSNorm against XLA's fusion (benchmarks/gpu_kernels.py)
   train    the train step of Llama-3-8B's dimensions, 8 layers, seq 4096: attention cudnn and
            pallas_flash x remat none/selective/full, one process each (benchmarks/gpu_train.py)
+  fp8      the same step (cudnn, remat full) in bf16 and with the tensorwise and delayed fp8
+           recipes, each under XLA's autotuned GEMMs and with Triton GEMMs off (cuBLASLt fp8)
 
 Before anything is installed or run it checks that there is a GPU (one line and exit 2 if not).
 Then it installs meshtron without touching the installed jax (`pip install --no-deps -e .`) and
@@ -22,7 +24,7 @@ optax and orbax over the machine's, for when those break).
 
 Usage:
   make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn']
-  python benchmarks/gpu_check.py --phase {smoke,tests,kernels,train,all} [--out_dir DIR]
+  python benchmarks/gpu_check.py --phase {smoke,tests,kernels,train,fp8,all} [--out_dir DIR]
       [--budget_s 400] [--attention cudnn,pallas_flash] [--remat none,selective,full]
       [--wheels missing|pinned|none] [--rehearse]
 `--rehearse` runs the phases on the CPU at tiny sizes: the script's own code path, for the CPU
@@ -44,7 +46,11 @@ import time
 import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("smoke", "tests", "kernels", "train")
+PHASES = ("smoke", "tests", "kernels", "train", "fp8")
+TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
+# The fp8 phase's runs: (fp8 recipe, xla_options); a rehearsal runs the first two.
+FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("delayed", ""),
+            ("delayed", TRITON_OFF), ("none", TRITON_OFF))
 SITE = "/tmp/meshtron-gpu-site"  # where carried wheels are installed (--target), first on the path
 # The train step may use nearly the whole GPU (JAX's default leaves it 75%).
 MEMORY_FRACTION = "0.94"
@@ -195,8 +201,9 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -
   return ok
 
 
-def run_train(results: Results, args, deadline: float) -> bool:
-  """benchmarks/gpu_train.py once per (attention, remat), each in its own process."""
+def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool:
+  """benchmarks/gpu_train.py once per run (its attention, remat, fp8 and xla_options), each in
+  its own process."""
   peak = 0.0
   # The bf16 peak the kernels phase measured on this GPU: in this run's output, or in the
   # committed results (a phase run by itself on a fresh machine).
@@ -211,34 +218,43 @@ def run_train(results: Results, args, deadline: float) -> bool:
       break
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEMORY_FRACTION)
   ok = True
-  for attention in args.attention.split(","):
-    for remat in args.remat.split(","):
-      fields = dict(benchmark="train_step", attention=attention, remat=remat)
-      if time.monotonic() > deadline:
-        results.emit(**fields, status="skipped", reason="the phase's time budget is spent")
-        continue
-      command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_train.py"),
-                 f"--attention={attention}", f"--remat={remat}", f"--peak_tflops={peak}",
-                 f"--batches={BATCHES.get(remat, '2,1')}"]
-      if args.rehearse:
-        command += ["--rehearse", "--seq=64", "--layers=2", "--batches=2", "--steps=2",
-                    "--warmup=1"]
-      try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=300)
-      except subprocess.TimeoutExpired:
-        results.emit(**fields, status="timeout")
-        ok = False
-        continue
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-      if proc.returncode or not lines:
-        results.emit(**fields, status="error", error=proc.stderr[-2000:])
-        ok = False
-        continue
-      row = json.loads(lines[-1])
-      results.emit(**row)
-      ok = ok and row.get("status") == "ok" and (args.rehearse or row.get("platform") == "gpu")
+  for run in runs:
+    fields = dict(benchmark="train_step", **run)
+    if time.monotonic() > deadline:
+      results.emit(**fields, status="skipped", reason="the phase's time budget is spent")
+      continue
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_train.py"),
+               *(f"--{k}={v}" for k, v in run.items()), f"--peak_tflops={peak}",
+               f"--batches={BATCHES.get(run['remat'], '2,1')}"]
+    if args.rehearse:
+      command += ["--rehearse", "--seq=64", "--layers=2", "--batches=2", "--steps=2",
+                  "--warmup=1"]
+    try:
+      proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    except subprocess.TimeoutExpired:
+      results.emit(**fields, status="timeout")
+      ok = False
+      continue
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+      results.emit(**fields, status="error", error=proc.stderr[-2000:])
+      ok = False
+      continue
+    row = json.loads(lines[-1])
+    results.emit(**row)
+    ok = ok and row.get("status") == "ok" and (args.rehearse or row.get("platform") == "gpu")
   return ok
+
+
+def train_runs(phase: str, args) -> list[dict]:
+  """The gpu_train.py runs of the train phase (attention x remat, bf16) or of the fp8 phase."""
+  if phase == "train":
+    return [dict(attention=a, remat=r) for a in args.attention.split(",")
+            for r in args.remat.split(",")]
+  runs = FP8_RUNS[:2] if args.rehearse else FP8_RUNS
+  return [dict(attention=args.attention.split(",")[0], remat="full", fp8=fp8, xla_options=x)
+          for fp8, x in runs]
 
 
 def run_phase(phase: str, args, facts: dict) -> bool:
@@ -256,7 +272,7 @@ def run_phase(phase: str, args, facts: dict) -> bool:
       gpu_kernels.attention(results.emit, args.rehearse, deadline)
       gpu_kernels.rmsnorm(results.emit, args.rehearse)
       return True
-    return run_train(results, args, deadline)
+    return run_train(results, args, deadline, train_runs(phase, args))
   finally:
     results.close()
 

@@ -14,7 +14,7 @@ import os
 from report import rows, section_main
 
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
-PHASES = ("smoke", "tests", "kernels", "train")
+PHASES = ("smoke", "tests", "kernels", "train", "fp8")
 NO_RUN = ("No GPU run yet: no session so far had a GPU machine at hand. `make gpu-check` on one"
           " writes benchmarks/results/gpu/ and this section (README, GPU checks).")
 
@@ -144,6 +144,29 @@ def train_section(lines: list[dict]) -> list[str]:
   return out + [""]
 
 
+def fp8_section(lines: list[dict]) -> list[str]:
+  """The fp8 phase: the same step (remat full) in bf16 and fp8, autotuned or cuBLASLt GEMMs."""
+  runs = [r for r in lines if r.get("benchmark") == "train_step"]
+  if not runs:
+    return []
+  out = ["fp8, the same step with remat full (tokens/s; GEMMs: XLA's autotuned choice, or"
+         " cuBLASLt with Triton GEMMs off):", "",
+         "| fp8 | GEMMs | batch | tokens/s | vs bf16 | step s | measured peak GiB |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
+  bf16 = {r.get("xla_options", ""): r["tokens_per_s"] for r in runs
+          if r.get("fp8") == "none" and r.get("status") == "ok"}
+  for r in runs:
+    gemms = "cuBLASLt" if "triton_gemm=false" in r.get("xla_options", "") else "autotuned"
+    if r.get("status") != "ok":
+      out.append(f"| {r.get('fp8')} | {gemms} | {r.get('status')} | | | | |")
+      continue
+    base = bf16.get(r.get("xla_options", ""))
+    ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "–"
+    out.append(f"| {r['fp8']} | {gemms} | {r['batch']} | {r['tokens_per_s']:.0f} | {ratio} |"
+               f" {r['step_s']:.3f} | {r['measured_peak_gib']:.1f} |")
+  return out + [""]
+
+
 def _pct(value) -> str:
   return "–" if value is None else f"{value:.1%}"
 
@@ -153,7 +176,8 @@ def render(results: str) -> str:
   if not any(phases.values()):
     return NO_RUN + "\n"
   lines = (header(phases) + tests_section(phases["tests"]) + peak_line(phases["kernels"])
-           + attention_section(phases["kernels"]) + train_section(phases["train"]))
+           + attention_section(phases["kernels"]) + train_section(phases["train"])
+           + fp8_section(phases["fp8"]))
   return "\n".join(lines).rstrip() + "\n"
 
 

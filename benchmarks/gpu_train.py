@@ -13,8 +13,13 @@ of the unmasked 12 x ...). MFU is reported against the GPU's bf16 data-sheet fig
 989 TFLOP/s, as the published anchors count it) and against the bf16 matmul peak measured on
 this GPU.
 
+With `--fp8=RECIPE` the projections run in fp8 (model.fp8; the MFU numerator stays the same
+FLOPs, against the bf16 figures), and `--xla_options` passes XLA options (e.g.
+xla_gpu_enable_triton_gemm=false: cuBLASLt fp8 GEMMs instead of the autotuner's choice).
+
 Usage: python benchmarks/gpu_train.py --attention=cudnn --remat=none [--batches=4,2,1]
-         [--seq=4096] [--layers=8] [--steps=10] [--warmup=3] [--peak_tflops=N] [--rehearse]
+         [--seq=4096] [--layers=8] [--steps=10] [--warmup=3] [--peak_tflops=N]
+         [--fp8=tensorwise] [--xla_options=k=v] [--rehearse]
 """
 
 import argparse
@@ -24,8 +29,10 @@ import json
 import train_step  # benchmarks/train_step.py, beside this script
 
 
-def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool):
+def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool,
+                fp8: str = "none", xla_options: str = ""):
   from configs import llama
+  from models.config import Fp8Config
   from trainer.config import DataConfig
   cfg = llama.debug()
   model = llama.model("llama3_8b")
@@ -33,7 +40,10 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
     model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
                                 num_kv_heads=2, head_dim=32, mlp_dim=256)
   cfg.model = dataclasses.replace(model, num_layers=layers, attention_impl=attention,
-                                  remat=remat)
+                                  remat=remat, fp8=Fp8Config(enabled=fp8 != "none",
+                                                             recipe=fp8 if fp8 != "none"
+                                                             else "delayed"))
+  cfg.xla_options = xla_options
   cfg.batch_size, cfg.seq_len, cfg.sample_tokens = batch, seq, 0
   cfg.data = DataConfig(source="synthetic")
   cfg.compilation_cache_dir = ""  # compile time is part of the measurement
@@ -52,6 +62,9 @@ def main(argv=None) -> None:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--peak_tflops", type=float, default=0.0,
                       help="the measured bf16 matmul peak (0: report the data-sheet MFU only)")
+  parser.add_argument("--fp8", default="none", help="none | delayed | tensorwise | rowwise |"
+                      " blockwise")
+  parser.add_argument("--xla_options", default="", help="k=v,... (TrainConfig.xla_options)")
   parser.add_argument("--rehearse", action="store_true", help="CPU, a tiny model: the code path")
   args = parser.parse_args(argv)
   import jax
@@ -61,10 +74,12 @@ def main(argv=None) -> None:
   profile = hardware.profile_of_device(device.device_kind)
   spec = profile.peak_bf16_flops if profile else 0.0
   fields = dict(benchmark="train_step", model="llama3_8b_dims", layers=args.layers,
-                attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16")
+                attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16",
+                fp8=args.fp8, xla_options=args.xla_options)
   tried = []
   for batch in map(int, args.batches.split(",")):
-    cfg = make_config(args.attention, args.remat, batch, args.seq, args.layers, args.rehearse)
+    cfg = make_config(args.attention, args.remat, batch, args.seq, args.layers, args.rehearse,
+                      args.fp8, args.xla_options)
     try:
       result = train_step.measure(cfg, [device], steps=args.steps, warmup=args.warmup,
                                   peak_flops=args.peak_tflops * 1e12)

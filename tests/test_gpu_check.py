@@ -63,7 +63,7 @@ def lines(directory, phase) -> list[dict]:
 
 
 def test_every_phase_rehearses_on_the_cpu(rehearsal):
-  for phase in ("smoke", "tests", "kernels", "train"):
+  for phase in gpu_report.PHASES:
     rows = lines(rehearsal, phase)
     assert rows, phase
     for row in rows:  # every line says where, with what and when it was measured
@@ -82,6 +82,10 @@ def test_every_phase_rehearses_on_the_cpu(rehearsal):
       (a, m) for a in ("dot_product", "pallas_flash") for m in ("none", "full")}
   for row in train:
     assert row["status"] == "ok" and row["tokens_per_s"] > 0 and row["compiled_peak_gib"] > 0
+  fp8 = lines(rehearsal, "fp8")  # a rehearsal runs two of the phase's six
+  assert [(r["fp8"], r["xla_options"]) for r in fp8] == [
+      ("tensorwise", "xla_gpu_enable_triton_gemm=false"), ("none", "")]
+  assert all(r["status"] == "ok" and r["remat"] == "full" for r in fp8), fp8
 
 
 def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsal):
@@ -99,13 +103,15 @@ def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsa
 def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path):
   assert gpu_report.render(str(rehearsal)) == gpu_report.NO_RUN + "\n"
   # The same lines marked as a GPU run: the formatting path of a real run's section.
-  for phase in ("smoke", "tests", "kernels", "train"):
+  for phase in gpu_report.PHASES:
     relabeled = [dict(r, rehearsal=False) for r in lines(rehearsal, phase)]
     (tmp_path / f"{phase}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in relabeled))
   text = gpu_report.render(str(tmp_path))
   assert "jax 0.10.2" in text and "| gpu test | outcome |" in text
   assert "| attention | remat | batch | tokens/s |" in text
   assert re.search(r"\| pallas_flash \| none \| 2 \| \d+ \|", text), text
+  assert re.search(r"\| tensorwise \| cuBLASLt \| 2 \| \d+ \| – \|", text), text
+  assert re.search(r"\| none \| autotuned \| 2 \| \d+ \| 1.00x \|", text), text
 
 
 def test_the_readme_has_the_gpu_section_markers():
