@@ -49,10 +49,11 @@ def test_without_a_gpu_it_fails_with_one_line_and_changes_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-  """Every phase on the CPU at tiny sizes (~1 min): one output directory."""
+  """Every phase on the CPU at tiny sizes (~2 min): one output directory. One remat policy: the
+  train phase's code path is the same for each."""
   out = tmp_path_factory.mktemp("gpu_rehearsal")
   proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"),
-                         "--rehearse", "--phase=all", f"--out_dir={out}", "--remat=none,full"],
+                         "--rehearse", "--phase=all", f"--out_dir={out}", "--remat=full"],
                         cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
   assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
   return out
@@ -79,7 +80,7 @@ def test_every_phase_rehearses_on_the_cpu(rehearsal):
   train = lines(rehearsal, "train")
   # cuDNN cannot run on a CPU: a rehearsal swaps in the same call's XLA implementation.
   assert {(r["attention"], r["remat"]) for r in train} == {
-      (a, m) for a in ("dot_product", "pallas_flash") for m in ("none", "full")}
+      (a, "full") for a in ("dot_product", "pallas_flash")}
   for row in train:
     assert row["status"] == "ok" and row["tokens_per_s"] > 0 and row["compiled_peak_gib"] > 0
   fp8 = lines(rehearsal, "fp8")  # a rehearsal runs two of the phase's six
@@ -109,7 +110,7 @@ def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path)
   text = gpu_report.render(str(tmp_path))
   assert "jax 0.10.2" in text and "| gpu test | outcome |" in text
   assert "| attention | remat | batch | tokens/s |" in text
-  assert re.search(r"\| pallas_flash \| none \| 2 \| \d+ \|", text), text
+  assert re.search(r"\| pallas_flash \| full \| 2 \| \d+ \|", text), text
   assert re.search(r"\| tensorwise \| cuBLASLt \| 2 \| \d+ \| – \|", text), text
   assert re.search(r"\| none \| autotuned \| 2 \| \d+ \| 1.00x \|", text), text
 
