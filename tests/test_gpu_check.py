@@ -1,6 +1,6 @@
 """`make gpu-check` without a GPU: one clear line, nothing changed; its whole code path rehearsed on
-the CPU (every phase, the gpu tests included), so a GPU session spends its minutes measuring; the
-README section it feeds; the wheels it carries."""
+the CPU (every phase; the gpu tests' phase in the slow set), so a GPU session spends its minutes
+measuring; the README section it feeds; the wheels it carries."""
 
 import json
 import os
@@ -47,15 +47,36 @@ def test_without_a_gpu_it_fails_with_one_line_and_changes_nothing(tmp_path):
   assert not out.exists()  # checked before installing or writing anything
 
 
+# The `tests` phase (the gpu tests' own code at small sizes, ~60 s of the rehearsal's ~110 s on 2
+# cores, 3 CLI runs among them) is rehearsed in the slow set; the default suite rehearses the rest.
+FAST_PHASES = tuple(phase for phase in gpu_report.PHASES if phase != "tests")
+
+
+def rehearse(out, phase: str) -> None:
+  """One phase on the CPU at tiny sizes into `out`, as `--phase=all` runs each (a fresh process).
+  One remat policy: the train phase's code path is the same for each."""
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"),
+                         "--rehearse", f"--phase={phase}", f"--out_dir={out}", "--remat=full"],
+                        cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
+  assert proc.returncode == 0, (phase, proc.stdout[-3000:], proc.stderr[-3000:])
+
+
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-  """Every phase on the CPU at tiny sizes (~2 min): one output directory. One remat policy: the
-  train phase's code path is the same for each."""
+  """Every phase but `tests` on the CPU (~50 s): one output directory."""
   out = tmp_path_factory.mktemp("gpu_rehearsal")
-  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"),
-                         "--rehearse", "--phase=all", f"--out_dir={out}", "--remat=full"],
-                        cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
-  assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+  for phase in FAST_PHASES:
+    rehearse(out, phase)
+  return out
+
+
+@pytest.fixture(scope="module")
+def rehearsal_with_tests(rehearsal, tmp_path_factory):
+  """A copy of that directory with the `tests` phase too: every phase, as `make gpu-check`
+  writes (a copy: the default tests see the fast phases alone, in any order)."""
+  out = tmp_path_factory.mktemp("gpu_rehearsal_all") / "out"
+  shutil.copytree(rehearsal, out)
+  rehearse(out, "tests")
   return out
 
 
@@ -64,7 +85,7 @@ def lines(directory, phase) -> list[dict]:
 
 
 def test_every_phase_rehearses_on_the_cpu(rehearsal):
-  for phase in gpu_report.PHASES:
+  for phase in FAST_PHASES:
     rows = lines(rehearsal, phase)
     assert rows, phase
     for row in rows:  # every line says where, with what and when it was measured
@@ -89,8 +110,10 @@ def test_every_phase_rehearses_on_the_cpu(rehearsal):
   assert all(r["status"] == "ok" and r["remat"] == "full" for r in fp8), fp8
 
 
-def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsal):
-  rows = lines(rehearsal, "tests")
+@pytest.mark.slow
+def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsal_with_tests):
+  rows = lines(rehearsal_with_tests, "tests")
+  assert all(key in row for row in rows for key in FACTS) and all(r["rehearsal"] for r in rows)
   tests = {r["test"].split("::")[-1]: r for r in rows if "test" in r}
   assert {name for name, r in tests.items() if r["outcome"] == "skipped"} == GPU_ONLY
   assert all(tests[name]["message"].startswith("rehearsal on the CPU") for name in GPU_ONLY)
@@ -101,18 +124,30 @@ def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsa
   assert summary["ok"] and summary["passed"] == 15 and summary["skipped"] == 6
 
 
+def relabeled_render(rehearsal, tmp_path) -> str:
+  """gpu_report's section of the rehearsal's lines marked as a GPU run: a real run's path."""
+  for phase in gpu_report.PHASES:
+    if (rehearsal / f"{phase}.jsonl").exists():
+      relabeled = [dict(r, rehearsal=False) for r in lines(rehearsal, phase)]
+      (tmp_path / f"{phase}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in relabeled))
+  return gpu_report.render(str(tmp_path))
+
+
 def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path):
   assert gpu_report.render(str(rehearsal)) == gpu_report.NO_RUN + "\n"
-  # The same lines marked as a GPU run: the formatting path of a real run's section.
-  for phase in gpu_report.PHASES:
-    relabeled = [dict(r, rehearsal=False) for r in lines(rehearsal, phase)]
-    (tmp_path / f"{phase}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in relabeled))
-  text = gpu_report.render(str(tmp_path))
-  assert "jax 0.10.2" in text and "| gpu test | outcome |" in text
+  text = relabeled_render(rehearsal, tmp_path)
+  assert "jax 0.10.2" in text and "| gpu test | outcome |" not in text  # no tests phase here
   assert "| attention | remat | batch | tokens/s |" in text
   assert re.search(r"\| pallas_flash \| full \| 2 \| \d+ \|", text), text
   assert re.search(r"\| tensorwise \| cuBLASLt \| 2 \| \d+ \| – \|", text), text
   assert re.search(r"\| none \| autotuned \| 2 \| \d+ \| 1.00x \|", text), text
+
+
+@pytest.mark.slow
+def test_the_gpu_tests_phase_reaches_the_section(rehearsal_with_tests, tmp_path):
+  text = relabeled_render(rehearsal_with_tests, tmp_path)
+  assert "| gpu test | outcome |" in text
+  assert "test_flash_kernel_equals_the_reference" in text, text
 
 
 def test_the_readme_has_the_gpu_section_markers():

@@ -266,17 +266,17 @@ def test_bad_input_is_one_line(args, message):
 
 
 def test_compile_top_compiles_the_best_layouts_and_ranks_them_again(tmp_path):
-  """--compile_top=3: the analytic top 3 compiled for h100x8 without a GPU; the JSON holds both
+  """--compile_top=2: the analytic top 2 compiled for h100x8 without a GPU; the JSON holds both
   rankings, every compiled layout its predicted step and compiled peak, and --out the fastest
-  compiled layout that fits."""
+  compiled layout that fits. (Each compile is ~14 s here; the slow 70B case compiles 16.)"""
   out = tmp_path / "best.py"
-  proc = meshtron("plan", "--model=llama3_1b", "--nodes=1", "--compile_top=3", "--json",
+  proc = meshtron("plan", "--model=llama3_1b", "--nodes=1", "--compile_top=2", "--json",
                   f"--out={out}", timeout=400)
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   analytic, compiled = report["analytic"], report["compiled"]
-  assert [c["layout"] for c in compiled] == [a["layout"] for a in analytic[:3]]
-  assert [c["analytic_rank"] for c in compiled] == [1, 2, 3]
+  assert [c["layout"] for c in compiled] == [a["layout"] for a in analytic[:2]]
+  assert [c["analytic_rank"] for c in compiled] == [1, 2]
   for c, a in zip(compiled, analytic):
     assert c["compiled"] and c["tokens_per_s_per_gpu"] > 0 and c["compiled_peak_gib"] > 0
     assert c["tokens_per_s_per_gpu"] != a["tokens_per_s_per_gpu"]  # a second, different model
