@@ -31,7 +31,7 @@ def config(recipe: str, microbatches: int, xla_options: str = ""):
   cfg.xla_options = xla_options
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=1, fsdp=8), 8 * microbatches, SEQ
   cfg.microbatches = microbatches
-  fp8 = Fp8Config(enabled=recipe != "bf16", recipe="delayed" if recipe == "bf16" else recipe)
+  fp8 = Fp8Config() if recipe == "bf16" else Fp8Config(enabled=True, recipe=recipe)
   cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
                                   remat="full", fp8=fp8)
   return cfg

@@ -39,10 +39,9 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
   if rehearse:  # the same model family at a size the CPU compiles and runs in seconds
     model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
                                 num_kv_heads=2, head_dim=32, mlp_dim=256)
+  fp8_config = Fp8Config() if fp8 == "none" else Fp8Config(enabled=True, recipe=fp8)
   cfg.model = dataclasses.replace(model, num_layers=layers, attention_impl=attention,
-                                  remat=remat, fp8=Fp8Config(enabled=fp8 != "none",
-                                                             recipe=fp8 if fp8 != "none"
-                                                             else "delayed"))
+                                  remat=remat, fp8=fp8_config)
   cfg.xla_options = xla_options
   cfg.batch_size, cfg.seq_len, cfg.sample_tokens = batch, seq, 0
   cfg.data = DataConfig(source="synthetic")
