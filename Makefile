@@ -35,7 +35,8 @@ clean:
 # in its own venv under ~/.cache/meshtron-peers on first use): the measured peak; tokens/s and MFU
 # of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate, BENCH_ROUNDS
 # times); compile time of 2 vs 32 layers; the layout sweep and its plots; meshtron vs MaxText;
-# MoE vs dense; the overlap facts of the 8.86B programs; then the README's results section.
+# MoE vs dense; the overlap facts of the 8.86B programs; the planner's time (70B on 512 GPUs,
+# --compile_top=16); then the README's results section.
 BENCH_ROUNDS ?= 2
 RESULTS := benchmarks/results
 .PHONY: bench
@@ -63,6 +64,7 @@ bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/moe_vs_dense.py --steps=300 \
 	  --variants=dense,dropless,dropping > $(RESULTS)/moe_vs_dense.jsonl
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/overlap.py > $(RESULTS)/overlap.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/planner_speed.py > $(RESULTS)/planner_speed.jsonl
 	$(BIN)/python benchmarks/report.py --results $(RESULTS) --readme README.md
 
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
