@@ -33,10 +33,11 @@ clean:
 
 # Regenerates benchmarks/results/ (about 1.5 h on 2 cores; the MaxText comparison installs MaxText
 # in its own venv under ~/.cache/meshtron-peers on first use): the measured peak; tokens/s and MFU
-# of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate, BENCH_ROUNDS
-# times); compile time of 2 vs 32 layers; the layout sweep and its plots; meshtron vs MaxText;
-# MoE vs dense; the overlap facts of the 8.86B programs; the planner's time (70B on 512 GPUs,
-# --compile_top=16); then the README's results section.
+# of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate,
+# BENCH_ROUNDS times); the tiny model's bf16 step against its float32 step; compile time of 2 vs
+# 32 layers; the layout sweep and its plots; meshtron vs MaxText; MoE vs dense; the overlap facts
+# of the 8.86B programs; the planner's time (70B on 512 GPUs, --compile_top=16); then the
+# README's results section.
 BENCH_ROUNDS ?= 2
 RESULTS := benchmarks/results
 .PHONY: bench
@@ -50,6 +51,12 @@ bench: $(STAMP)
 	      --steps=8 --warmup=3 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
 	      >> $(RESULTS)/train_step.jsonl || exit 1; \
 	done; done; done
+	rm -f $(RESULTS)/bf16_vs_float32.jsonl
+	for round in $$(seq $(BENCH_ROUNDS)); do for dtype in bfloat16 float32; do \
+	  $(BIN)/python benchmarks/train_step.py --model=tiny --remat=none --dtype=$$dtype --steps=8 \
+	    --warmup=3 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
+	    >> $(RESULTS)/bf16_vs_float32.jsonl || exit 1; \
+	done; done
 	for round in $$(seq $(BENCH_ROUNDS)); do for layers in 2 32; do \
 	  $(BIN)/python benchmarks/train_step.py --model=100m --layers=$$layers --steps=0 \
 	    --peak_file=$(RESULTS)/peak.jsonl \

@@ -5,7 +5,8 @@ asserted in a timed test.
   in-process; best and first of `--repeats` (the bound: under 5 s).
 - `compile_top`: the CLI `meshtron plan --model=llama3_70b --gpu=h100 --nodes=8 --compile_top=16`
   in a fresh process, wall clock from start to exit, interpreter start and 16 deviceless
-  compiles included (the bound: under 5 minutes on 2 cores).
+  compiles included (the bound: under 5 minutes on 2 cores), and what the compiles decided:
+  layouts refused before compiling, compiled past the GPU's memory, fitting, and the best.
 
 Usage: python benchmarks/planner_speed.py [--repeats 3] [--skip_compile_top]
          >> benchmarks/results/planner_speed.jsonl
@@ -50,13 +51,22 @@ def compile_top() -> None:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the CLI's own fake-device setting, as a user runs it
   start = time.perf_counter()
-  proc = subprocess.run([sys.executable, "-m", "trainer.cli", *COMPILE_TOP_ARGS], cwd=REPO,
-                        env=env, capture_output=True, text=True)
+  proc = subprocess.run([sys.executable, "-m", "trainer.cli", *COMPILE_TOP_ARGS, "--json"],
+                        cwd=REPO, env=env, capture_output=True, text=True)
   seconds = time.perf_counter() - start
   if proc.returncode != 0:
     sys.exit(f"meshtron {' '.join(COMPILE_TOP_ARGS)} failed: {proc.stderr.strip()[-500:]}")
+  layouts = json.loads(proc.stdout)["compiled"]
+  built = [c for c in layouts if c["compiled"]]
+  fitting = [c for c in built if c["fits"]]
+  best = max(fitting, key=lambda c: c["tokens_per_s_per_gpu"], default=None)
   emit(benchmark="compile_top", command="meshtron " + " ".join(COMPILE_TOP_ARGS),
-       wall_s=round(seconds, 1), bound_s=300.0)
+       wall_s=round(seconds, 1), bound_s=300.0, layouts=len(layouts),
+       refused=len(layouts) - len(built), too_big=len(built) - len(fitting), fit=len(fitting),
+       best_layout=best and best["layout"],
+       best_tokens_per_s_per_gpu=best and round(best["tokens_per_s_per_gpu"]),
+       best_mfu=best and round(best["mfu"], 3),
+       best_analytic_tokens_per_s_per_gpu=best and round(best["analytic_tokens_per_s_per_gpu"]))
 
 
 def main() -> None:
