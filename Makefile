@@ -36,8 +36,9 @@ clean:
 # of the tiny and 100M models on 1 device, fsdp=8 and fsdp=4 x tensor=2 (runs alternate,
 # BENCH_ROUNDS times); the tiny model's bf16 step against its float32 step; compile time of 2 vs
 # 32 layers; the layout sweep and its plots; meshtron vs MaxText; MoE vs dense; the overlap facts
-# of the 8.86B programs; the planner's time (70B on 512 GPUs, --compile_top=16); then the
-# README's results section.
+# of the 8.86B programs; the planner's time (70B on 512 GPUs, --compile_top=16); context
+# parallelism's four programs; the estimate against the 8.86B H100 programs; page faults under
+# glibc's malloc and the trainer's; then the README's results section.
 BENCH_ROUNDS ?= 2
 RESULTS := benchmarks/results
 .PHONY: bench
@@ -72,6 +73,13 @@ bench: $(STAMP)
 	  --variants=dense,dropless,dropping > $(RESULTS)/moe_vs_dense.jsonl
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/overlap.py > $(RESULTS)/overlap.jsonl
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/planner_speed.py > $(RESULTS)/planner_speed.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/context_parallel.py > $(RESULTS)/context_parallel.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/compile_vs_estimate.py \
+	  > $(RESULTS)/compile_vs_estimate.jsonl
+	MESHTRON_DEFAULT_MALLOC=1 $(BIN)/python benchmarks/train_step.py --model=100m --steps=3 \
+	  --warmup=1 --peak_file=$(RESULTS)/peak.jsonl --label=default_malloc > $(RESULTS)/host_memory.jsonl
+	$(BIN)/python benchmarks/train_step.py --model=100m --steps=3 --warmup=1 \
+	  --peak_file=$(RESULTS)/peak.jsonl --label=trainer_malloc >> $(RESULTS)/host_memory.jsonl
 	$(BIN)/python benchmarks/report.py --results $(RESULTS) --readme README.md
 
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the

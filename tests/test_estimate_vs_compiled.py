@@ -10,8 +10,8 @@ activations: `trainer_precision("float32")`) and no workspace allowance.
   formulas do not count. Above all, XLA:CPU lowers each reduce-scatter as a full all-reduce plus
   a slice, so tensor parallelism without SP (0.58) holds whole [B, L, D] reduction buffers the
   GPU program would not; it also keeps fp32 copies of fused elementwise chains. On the 8.86B model
-  compiled for 8 H100s, where activations dominate, the same estimate lands within 10% of the
-  compiled peak (benchmarks/compile_vs_estimate.py).
+  compiled for 8 H100s the estimate is 0.71-1.08x the compiled peak, low without remat
+  (benchmarks/results/compile_vs_estimate.jsonl; README, Plan before you launch).
 """
 
 import functools
