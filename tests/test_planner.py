@@ -297,10 +297,11 @@ def test_compile_top_16_of_a_70b_on_8_nodes_prints_both_rankings():
   assert "ranked by the step predicted from each program" in text
 
 
-def test_the_planner_speed_benchmark_runs_and_the_readme_quotes_its_results():
+def test_the_planner_speed_benchmark_runs_the_search_its_results_record():
   """benchmarks/planner_speed.py measures issue [18]'s two bounds (analytic search of 70B on 512
-  GPUs under 5 s; --compile_top=16 under 5 minutes on 2 cores). Its analytic half runs here; the
-  committed results met the bounds and the README quotes them."""
+  GPUs under 5 s; --compile_top=16 under 5 minutes on 2 cores). Its analytic half runs here and
+  considers the layouts its committed results counted (tests/test_readme_figures.py checks the
+  README against those results)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "benchmarks/planner_speed.py", "--skip_compile_top",
                          "--repeats=1"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -310,22 +311,7 @@ def test_the_planner_speed_benchmark_runs_and_the_readme_quotes_its_results():
   assert fresh["benchmark"] == "analytic" and fresh["considered"] > 10_000 and fresh["best_s"] > 0
   path = os.path.join(REPO, "benchmarks", "results", "planner_speed.jsonl")
   committed = {r["benchmark"]: r for r in map(json.loads, open(path, encoding="utf-8"))}
-  analytic, compile_top = committed["analytic"], committed["compile_top"]
-  assert analytic["considered"] == fresh["considered"]  # the same search as today's code
-  assert analytic["best_s"] < analytic["bound_s"] and compile_top["wall_s"] < compile_top["bound_s"]
-  readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-  assert f"--compile_top=16` took {compile_top['wall_s']:.0f} s" in readme
-  c = compile_top
-  assert c["refused"] + c["too_big"] + c["fit"] == c["layouts"] == 16
-  assert (f"  - {c['refused']} are refused: pipeline with context parallelism is not supported yet.\n"
-          f"  - {c['too_big']} compile past 79 GiB in meshtron's float32-state program.\n"
-          f"  - {c['fit']} fit. The best is fsdp=32×tensor=2 with selective remat") in readme
-  assert c["best_layout"].startswith("data=1,fsdp=32,tensor=2,") and "remat=selective" in c[
-      "best_layout"]
-  assert (f"{c['best_tokens_per_s_per_gpu']:,} tok/s/GPU\n    ({c['best_mfu']:.1%} MFU) from the "
-          f"program; the analytic figure was {c['best_analytic_tokens_per_s_per_gpu']}.") in readme
-  assert (f"For Llama-3 70B on 512 GPUs it takes {analytic['best_s']} s and\n  considers "
-          f"{analytic['considered']:,} layouts") in readme
+  assert committed["analytic"]["considered"] == fresh["considered"]  # the same search as today's
 
 
 def test_the_whole_sweep_is_scored_from_the_committed_data():
