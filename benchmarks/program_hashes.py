@@ -8,7 +8,12 @@ refactor leaves every compiled program unchanged. Run it before and after, then 
 The programs: the 15 named layouts of tests/test_parallel.py, plus a pipeline (1F1B), context
 parallelism (ring), MoE expert parallelism (dropless and dropping), fp8 and the Pallas flash +
 chunked-loss step, on 8 fake CPU devices (built with the test suite's LLVM -O0, whose HLO is
-the default build's: tests/test_layout_programs.py).
+the default build's: tests/test_layout_programs.py); and three bf16 programs compiled deviceless
+for 8 H100s (the gpu-aot extra), where "auto" choices resolve for the GPU: attention "auto" (the
+Pallas flash kernel) at fsdp=8, the dropless MoE's "auto" exchange (ragged all-to-all) at
+expert=8, and a pipeline stage's "auto" attention (the XLA reference) at pipeline=2 x fsdp=4.
+Tracebacks are kept out of MLIR locations (JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0): the serialized
+Pallas kernels would otherwise carry the source files' paths and line numbers.
 """
 
 import argparse
@@ -18,17 +23,20 @@ import json
 import os
 import re
 import sys
+import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"] = "0"  # also for the GPU compiles' subprocesses
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from models.config import Fp8Config, MoEConfig  # noqa: E402
 from sharding import MeshConfig  # noqa: E402
-from sharding.xla import hlo  # noqa: E402
+from sharding.xla import compiled, hlo  # noqa: E402
 from tests import parallel_harness as harness  # noqa: E402
 from tests.test_parallel import LAYOUTS  # noqa: E402
+from trainer.compile import compile_for_gpus  # noqa: E402
 
 MOE = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1,
                 first_dense_layers=1, router="sigmoid", bias_update_rate=0.01,
@@ -53,6 +61,29 @@ def programs() -> dict:
   return out
 
 
+def gpu_programs() -> dict:
+  """name -> (MeshConfig, harness.config keyword arguments) of the bf16 programs for h100x8."""
+  bf16 = dataclasses.replace(harness.MODEL, attention_impl="auto", dtype="bfloat16")
+  return {
+      "h100x8:fsdp=8,auto_attention": (MeshConfig(data=1, fsdp=8), dict(model=bf16)),
+      "h100x8:expert=8,dropless,auto_exchange": (
+          MeshConfig(data=1, expert=8),
+          dict(model=bf16, moe=dataclasses.replace(MOE, exchange="auto"))),
+      "h100x8:pipeline=2,fsdp=4,auto_attention": (MeshConfig(data=1, pipeline=2, fsdp=4),
+                                                  dict(model=bf16, microbatches=4)),
+  }
+
+
+def gpu_program_text(mesh_cfg, options) -> str:
+  """The optimized HLO of a program compiled deviceless for 8 H100s."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "program.hlo")
+    compile_for_gpus(harness.config(mesh_cfg, **options), compiled.parse_gpu_target("h100x8"),
+                     hlo_path=path)
+    with open(path) as f:
+      return f.read()
+
+
 def program_hash(text: str) -> str:
   text = re.sub(r"^HloModule \S+", "HloModule", hlo.without_source_info(text), flags=re.M)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -67,8 +98,12 @@ def main() -> None:
   if args.compare:
     before = {r["program"]: r["hash"] for r in map(json.loads, open(args.compare)) if r}
   changed = []
-  for name, (mesh_cfg, options) in programs().items():
-    digest = program_hash(harness.compile_step(mesh_cfg, **options).as_text())
+  texts = [(name, lambda m=mesh_cfg, o=options: harness.compile_step(m, **o).as_text())
+           for name, (mesh_cfg, options) in programs().items()]
+  texts += [(name, lambda m=mesh_cfg, o=options: gpu_program_text(m, o))
+            for name, (mesh_cfg, options) in gpu_programs().items()]
+  for name, text in texts:
+    digest = program_hash(text())
     row = {"program": name, "hash": digest}
     if before:
       row["same"] = before.get(name) == digest
