@@ -107,7 +107,7 @@ def _smoke_train_step(rehearse: bool) -> dict:
   trainer.init_state()
   batches = trainer.iterator("train")
   losses = []
-  with trainer.context():
+  with trainer.scope():
     for _ in range(2):
       trainer.state, metrics = trainer.compiled_step(trainer.state,
                                                      trainer.to_device(next(batches)))

@@ -92,7 +92,7 @@ _SPECS = {name: dataclasses.replace(estimate.model_spec(llama.MODELS[name]), fla
 def refusal(run: dict) -> str:
   """Why meshtron cannot run a sweep layout, '' when it can: nanotron ran the 3B's 28 layers
   on 32 stages (empty stages); meshtron gives every stage a layer (uneven stages otherwise,
-  sharding/stage_split.py)."""
+  sharding/pipeline/stage_split.py)."""
   layers = _SPECS[run["model"]].num_layers
   if int(run["pp"]) > layers:
     return f"{run['pp']} pipeline stages for {layers} layers: every stage needs a layer"

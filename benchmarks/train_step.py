@@ -151,7 +151,7 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
   trainer.init_state()
   batches = trainer.iterator("train")
   times = []
-  with trainer.context():
+  with trainer.scope():
     batch = trainer.to_device(next(batches))
     cpu0 = wall0 = busy0 = 0.0
     for i in range(warmup + steps):

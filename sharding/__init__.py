@@ -2,7 +2,7 @@
 constrain() and state shardings. The analysis rooms are sharding.plan and sharding.xla."""
 
 from sharding.collective_matmul import logical_all_gather_matmul, logical_matmul_reduce_scatter
-from sharding.context import (active, axes_of, constrain, constrain_tree, current, excluding,
+from sharding.scope import (active, axes_of, constrain, constrain_tree, current, excluding,
                               gradient_replica_axes, is_names, mesh_sizes, named_sharding,
                               in_manual_region, platform,
                               record_constraints, replicated, spec, tree_shardings, use_rules)

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from sharding.context import active, current, spec
+from sharding.scope import active, current, spec
 from sharding.mesh import LayoutError
 
 Names = Sequence[str | None]
@@ -176,7 +176,7 @@ def logical_all_gather_matmul(x: jax.Array, w: jax.Array, x_names: Names, out_na
   `seq` not): the gather over that axis runs as `all_gather_matmul` under shard_map.
 
   The weights are taken split as the result's dims require (e.g. `mlp` over `tensor`) and whole
-  elsewhere, so FSDP-sharded weights are all-gathered on the way in. Outside a sharding context,
+  elsewhere, so FSDP-sharded weights are all-gathered on the way in. Outside a sharding scope,
   or when the layout splits nothing more, it is the plain matmul.
 
   Args:

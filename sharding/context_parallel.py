@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from sharding.context import axes_of, constrain, current, mesh_sizes, spec
+from sharding.scope import axes_of, constrain, current, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")

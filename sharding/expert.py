@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from sharding.context import active, in_manual_region, mesh_sizes, spec
+from sharding.scope import active, in_manual_region, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 Names = tuple[str | None, ...]
@@ -36,7 +36,7 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
                      check_vma: bool = True) -> jax.Array:
   """y[t] = sum_k weights[t, k] * expert_fn_{ids[t, k]}(x[t]): every assignment computed.
 
-  In a sharding context this runs per device under `jax.shard_map` over the whole mesh, with
+  In a sharding scope this runs per device under `jax.shard_map` over the whole mesh, with
   specs from logical names: tokens keep their batch/seq sharding and are sorted by expert
   locally; each param's first dim (the experts) keeps its mesh axes, and when those axes have
   N > 1 devices, the tokens travel to the devices holding their experts and back by all-to-all

@@ -13,8 +13,8 @@ import math
 
 from jax.sharding import Mesh
 
-from sharding import schedules, stage_split
-from sharding.context import active, use_rules
+from sharding.pipeline import schedules, stage_split
+from sharding.scope import active, use_rules
 from sharding.context_parallel import load_balanced, ulysses_degree
 from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
@@ -53,7 +53,7 @@ class Layout:
     return {axis: getattr(self, axis) for axis in AXES}
 
   def stage_split(self, num_layers: int) -> tuple[int, ...]:
-    """Layers per pipeline position (sharding/stage_split.py); () without pipeline stages."""
+    """Layers per pipeline position (sharding/pipeline/stage_split.py); () without pipeline stages."""
     if self.pipeline == 1:
       return ()
     return stage_split.split(num_layers, self.pipeline * self.virtual_stages, self.stage_layers)
@@ -269,8 +269,8 @@ class RunLayout:
   vocab_split: bool
   lookup_rows: bool
 
-  def context(self):
-    """The sharding context of this layout (sharding.use_rules)."""
+  def scope(self):
+    """The sharding scope of this layout (sharding.use_rules)."""
     return use_rules(self.mesh, self.rules, self.layout.zero_stage)
 
   def bind(self, fn):
@@ -283,7 +283,7 @@ class RunLayout:
       if ctx is not None and (ctx.mesh, ctx.rules, ctx.zero_stage) == (
           self.mesh, self.rules, self.layout.zero_stage):
         return fn(*args, **kwargs)
-      with self.context():
+      with self.scope():
         return fn(*args, **kwargs)
     return bound
 

@@ -48,7 +48,7 @@ class MeshConfig:
   virtual_stages: int = 1
   # Layers per pipeline position (stage x virtual stage) in model order, e.g. "7+8+8+8+8+8+8+7";
   # "" = even, or when the positions do not divide the layers one fewer on the last and first
-  # stages (sharding/stage_split.py).
+  # stages (sharding/pipeline/stage_split.py).
   stage_layers: str = ""
   # Multi-host: the across-hosts factor of each axis, e.g. "data=4,pipeline=2"; the rest of each
   # axis stays within a host. "" = outer axes span hosts first (data, then pipeline, ...).

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharding.context import current, is_names, mesh_sizes, spec
+from sharding.scope import current, is_names, mesh_sizes, spec
 from sharding.rules import logical_to_spec, role_rules
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ def _split(partition_spec, sizes: dict[str, int]) -> int:
 
 
 def param_rows(names_tree: Any, abstract_tree: Any, role: str = "params") -> list[Row]:
-  """One row per parameter in the current sharding context (`role` picks the ZeRO view)."""
+  """One row per parameter in the current sharding scope (`role` picks the ZeRO view)."""
   sizes = mesh_sizes(current().mesh)
   rows = []
   flat_names = jax.tree_util.tree_leaves_with_path(names_tree, is_leaf=is_names)

@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from sharding.context import active, mesh_sizes, spec
+from sharding.scope import active, mesh_sizes, spec
 from sharding.mesh import LayoutError
 
 Names = tuple[str | None, ...]
@@ -14,12 +14,12 @@ def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names:
                       whole: Sequence[str] = (), what: str = "shard_map",
                       check_vma_on_cpu: bool = True) -> Callable:
   """Wraps `fn` (single-device semantics, e.g. a Pallas kernel XLA cannot partition) so that, in
-  a sharding context, each device runs it on its own shards.
+  a sharding scope, each device runs it on its own shards.
 
   Specs come from the logical names through the current rules (batch over the data axes, heads
   over `tensor`, ...). `fn` must not communicate: dims it needs whole (`whole`, e.g. the sequence
   for attention) are checked to be unsplit, and every other split dim must be independent. Outside
-  a sharding context the wrapper just calls `fn`.
+  a sharding scope the wrapper just calls `fn`.
 
   Args:
     fn: the per-device function of positional array arguments (None arguments pass through).

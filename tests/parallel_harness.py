@@ -73,7 +73,7 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
   # Uneven pipeline stages store the layer stack padded: compare the model's own rows.
   leaves = lambda params: [np.asarray(p) for p in
                            jax.tree.leaves(unstored(params, trainer.stage_layers))]
-  with trainer.context():
+  with trainer.scope():
     # One compile for the step and the gradients it applies (XLA shares the computation).
     step_and_grads = jax.jit(lambda state, batch: (*trainer.step_fn(state, batch),
                                                    grads_fn(state.params, batch)[0]),
@@ -92,7 +92,7 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
 def compile_step(mesh_cfg: sharding.MeshConfig, **kw):
   """The compiled train step of a layout from abstract inputs (nothing allocated or run)."""
   trainer = Trainer(config(mesh_cfg, **kw))
-  with trainer.context():
+  with trainer.scope():
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
 
 

@@ -43,7 +43,7 @@ def test_no_recompilation_after_the_first_step(explain_cache_misses, caplog):
   trainer = small_trainer(MeshConfig(data=1, fsdp=4, tensor=2))
   trainer.init_state()
   batches = trainer.iterator("train")
-  with trainer.context():
+  with trainer.scope():
     # First calls: each function traces and compiles once.
     trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(batches)))
     first = float(metrics["loss"])

@@ -89,7 +89,7 @@ def compiled(seq_len, mesh, devices):
   cfg = TrainConfig(model=MEMORY_MODEL, mesh=mesh, data=DataConfig(source="synthetic"),
                     batch_size=1, seq_len=seq_len)
   trainer = Trainer(cfg, devices)
-  with trainer.context():
+  with trainer.scope():
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
 
 

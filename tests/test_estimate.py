@@ -17,7 +17,7 @@ from sharding.layout import Layout
 from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM,
                                ModelSpec, activation_terms, layer_activation_bytes, memory,
                                model_spec, param_counts, state_bytes, trainer_precision)
-from sharding.schedules import bubble_ratio, in_flight_microbatches, table_if_valid
+from sharding.pipeline.schedules import bubble_ratio, in_flight_microbatches, table_if_valid
 
 SMALL = ModelSpec(vocab_size=100, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=4, mlp_dim=32)

@@ -253,10 +253,10 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
   q = jax.ShapeDtypeStruct((8, 16, 16, 8), jnp.float32)
   kv = jax.ShapeDtypeStruct((8, 16, 8, 8), jnp.float32)
   segments = jax.ShapeDtypeStruct((8, 16), jnp.int32)
-  with trainer.context(), pytest.raises(sharding.LayoutError,
+  with trainer.scope(), pytest.raises(sharding.LayoutError,
                                         match="'seq' is split over context=2"):
     jax.eval_shape(_flash_per_device(0), q, kv, kv, segments)
-  with trainer.context(), sharding.record_constraints():
+  with trainer.scope(), sharding.record_constraints():
     jax.eval_shape(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())
 
 

@@ -114,7 +114,7 @@ def one_step(mesh: MeshConfig, devices=None, microbatches: int = 1):
   trainer = Trainer(fp8_config(mesh, microbatches), devices)
   trainer.init_state()
   initial = jax.device_get(trainer.state.params)
-  with trainer.context():
+  with trainer.scope():
     state, _ = trainer.train_step(trainer.state, trainer.to_device(harness.batches()[0]))
   return initial, state.params
 
@@ -157,7 +157,7 @@ def test_fp8_state_is_not_moved_by_the_optimizer(single_device_step):
   _, params = single_device_step
   trainer = Trainer(fp8_config(MeshConfig(data=1)), jax.devices()[:1])
   trainer.init_state()
-  with trainer.context():
+  with trainer.scope():
     for batch in harness.batches()[:2]:
       trainer.state, _ = trainer.train_step(trainer.state, trainer.to_device(batch))
   first, second = fp8_leaves(jax.device_get(params)), fp8_leaves(
@@ -182,7 +182,7 @@ def test_fp8_dots_in_the_cpu_program():
     cfg = harness.config(MeshConfig(data=1, fsdp=8),
                          model=dataclasses.replace(harness.MODEL, fp8=Fp8Config(enabled=fp8)))
     trainer = Trainer(cfg)
-    with trainer.context():
+    with trainer.scope():
       lowered[fp8] = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
   assert lowered[True].as_text() != lowered[False].as_text()
   f8_dots = lambda text: [l for l in text.splitlines()

@@ -336,7 +336,7 @@ def test_recipe_dots_are_fp8_inside_the_pipeline_stages(recipe):
   cfg = harness.config(MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2), microbatches=2,
                        model=model)
   trainer = Trainer(cfg)
-  with trainer.context():
+  with trainer.scope():
     text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).as_text()
   dots = [line for line in text.splitlines() if "dot_general" in line]
   f8 = [line for line in dots if "f8E4M3FN" in line]

@@ -46,7 +46,7 @@ def test_fp8_step_runs_fp8_gemms_and_tracks_bf16(gpu, record_property):
   steps = gpu.pick(100, 20)
   cfg = training_runs.config(steps, dtype="bfloat16", fp8=True)
   trainer = Trainer(cfg, [gpu.device])
-  with trainer.context():
+  with trainer.scope():
     text = trainer.train_step.lower(trainer.abstract_state,
                                     trainer.abstract_batch()).compile().as_text()
   f8_dots = [t for t in dot_operand_types(text) if t and all(x.startswith("f8") for x in t)]

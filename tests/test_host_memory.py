@@ -127,4 +127,4 @@ def test_token_rows_unless_a_mesh_axis_splits_the_sequence(options, split):
   want = jax.grad(reference, argnums=(0, 1))(jax.tree.leaves(params)[0], x)
   for got, want in zip((jax.tree.leaves(grad_params)[0], grad_x), want):
     assert float(jnp.max(jnp.abs(got - want))) < 1e-5
-  assert not sharding.tokens_split()  # outside any sharding context
+  assert not sharding.tokens_split()  # outside any sharding scope

@@ -61,19 +61,19 @@ def test_layout_errors_are_one_line_and_before_compiling():
 
 
 def lowered(cfg, context_of=None) -> str:
-  """The train step of a fresh Trainer (nothing cached) lowered outside any sharding context, or
+  """The train step of a fresh Trainer (nothing cached) lowered outside any sharding scope, or
   inside the context of the Trainer `context_of`."""
   trainer = Trainer(cfg)
   args = (trainer.abstract_state, trainer.abstract_batch())
   if context_of is None:
     return trainer.train_step.lower(*args).as_text()
-  with context_of.context():
+  with context_of.scope():
     return trainer.train_step.lower(*args).as_text()
 
 
 def test_the_step_traces_in_its_own_layout_wherever_it_is_called():
   """The jitted step is bound to its layout, so tracing it outside that layout is impossible:
-  lowered outside any sharding context, inside its own and inside another layout's, it is the
+  lowered outside any sharding scope, inside its own and inside another layout's, it is the
   same program (the unbound step outside a context would be the one-device program)."""
   fsdp_cfg, data_cfg = harness.config(M(fsdp=8)), harness.config(M(data=8))
   outside = lowered(fsdp_cfg)

@@ -3,7 +3,7 @@ stage, with both dispatches, train exactly like one device (test_parallel.py's t
 
 A MoE model has two layer stacks (the first dense layers, then the MoE layers); a stage's layers
 are some of each, so each stack gets its own layers per stage and is padded by its own max
-(sharding/stage_split.py)."""
+(sharding/pipeline/stage_split.py)."""
 
 import dataclasses
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from models.config import MoEConfig
-from sharding import MeshConfig, stage_split
+from sharding import MeshConfig
+from sharding.pipeline import stage_split
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import DROPPING, MOE, assert_same_training, reference
 from trainer import checkpoint, convert, loop

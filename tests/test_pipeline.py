@@ -6,7 +6,8 @@ import dataclasses
 import jax
 import pytest
 
-from sharding import MeshConfig, schedules
+from sharding import MeshConfig
+from sharding.pipeline import schedules
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
@@ -76,7 +77,7 @@ def compiled(schedule, microbatches=32, batch=128, seq=16):
                        microbatches=microbatches, model=MODELS[4])
   cfg.batch_size, cfg.seq_len = batch, seq
   trainer = Trainer(cfg)
-  with trainer.context():
+  with trainer.scope():
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
 
 
@@ -106,7 +107,7 @@ def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
   holds no collective but the two stage-to-stage permutes."""
   cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[4])
   trainer = Trainer(cfg)
-  with trainer.context():
+  with trainer.scope():
     text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
         ).as_text()
   cols = hlo.collectives(text)

@@ -103,7 +103,7 @@ def measured(name):
                                                                              **model_kw)),
                             **train_kw)
   trainer = Trainer(cfg)
-  with trainer.context():
+  with trainer.scope():
     stats = trainer.train_step.lower(trainer.abstract_state,
                                      trainer.abstract_batch()).compile().memory_analysis()
   m, layout = cfg.model, cfg.layout(8)

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sharding import schedules as S
+from sharding.pipeline import schedules as S
 
 CASES = [(p, m) for p in (2, 4, 8) for m in (8, 16) if m >= p]
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from configs import llama as llama_presets
-from sharding import LayoutError, MeshConfig, layout, stage_split
+from sharding import LayoutError, MeshConfig, layout
+from sharding.pipeline import stage_split
 from sharding.plan import estimate
 from sharding.xla import hlo
 from tests import parallel_harness as harness
@@ -120,13 +121,13 @@ def test_padding_rows_run_no_matmuls_and_stay_zero():
   assert uneven.abstract_state.params["layers"]["mlp"]["down"]["w"].shape[0] == 6
   texts = {}
   for name, trainer in (("uneven", uneven), ("even", even)):
-    with trainer.context():
+    with trainer.scope():
       texts[name] = trainer.train_step.lower(trainer.abstract_state,
                                              trainer.abstract_batch()).compile().as_text()
   assert _dot_free_branches(texts["uneven"]) > _dot_free_branches(texts["even"])
 
   uneven.init_state()
-  with uneven.context():
+  with uneven.scope():
     for batch in harness.batches():
       uneven.state, _ = uneven.train_step(uneven.state, uneven.to_device(batch))
   padding = ~stage_split.present((3, 2)).reshape(-1)

@@ -90,7 +90,7 @@ def test_gpu_options_leave_the_cpu_program_unchanged():
   texts = []
   for preset in ("none", "overlap_bucketed_v1"):
     trainer = Trainer(tiny(xla_preset=preset))
-    with trainer.context():
+    with trainer.scope():
       lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
       texts.append(lowered.compile().as_text().split("\n", 1)[1])  # past the HloModule line
   assert texts[0] == texts[1]

@@ -31,7 +31,7 @@ def losses(steps: int, **kw) -> tuple[float, ...]:
   trainer.init_state()
   batches = trainer.iterator("train")
   out = []
-  with trainer.context():
+  with trainer.scope():
     for _ in range(steps):
       trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(batches)))
       out.append(metrics["loss"])

@@ -13,7 +13,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
-from sharding import stage_split
+from sharding.pipeline import stage_split
 
 from trainer.config import CheckpointConfig
 

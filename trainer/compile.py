@@ -30,7 +30,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
   devices = jax.devices() if devices is None else devices
   trainer = Trainer(cfg, devices)
   start = time.perf_counter()
-  with trainer.context():
+  with trainer.scope():
     lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
     executable = lowered.compile()
   rep = compiled_report.report(executable, target, devices, time.perf_counter() - start)

@@ -7,7 +7,7 @@ read-only by convention after `validate()`.
 import dataclasses
 
 from models.config import ModelConfig
-from sharding import schedules
+from sharding.pipeline import schedules
 from sharding.layout import Layout, layout_of
 from sharding.mesh import MeshConfig
 from sharding.xla import presets

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 import sharding
-from sharding import stage_split
+from sharding.pipeline import stage_split
 from models import abstract_model, hf, param_names
 from models.config import ModelConfig
 from trainer.checkpoint import ITEMS, CheckpointError
@@ -56,7 +56,7 @@ def init_state_from_hf(trainer) -> TrainState:
   `init_from`, streamed straight into the trainer's parameter shardings."""
   cfg = trainer.cfg
   model_dir = cfg.init_from[len(PREFIX):]
-  with trainer.context():
+  with trainer.scope():
     rows = {name: stage_split.layer_of_row(counts) for name, counts in trainer.stage_layers}
     params = hf.load_params(model_dir, cfg.model, trainer.shardings.params, rows)
     state = jax.jit(lambda p: fresh_state(p, trainer.tx, cfg.seed),

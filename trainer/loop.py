@@ -140,7 +140,7 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
 
   dispatched = (start, None)
   try:
-    with trainer.context():
+    with trainer.scope():
       batch, fingerprint, data_state = fetch(start + 1)
       for step in range(start + 1, cfg.steps + 1):
         trainer.state, step_metrics = trainer.compiled_step(trainer.state, batch)

@@ -85,7 +85,7 @@ def moe_metrics(stats: dict, tokens) -> dict:
   load = stats["moe_load"]
   total = jnp.sum(load, axis=-1, keepdims=True)
   # Every layer routes each token somewhere; a row that routed nothing is the padding of an
-  # uneven pipeline stage (sharding/stage_split.py), left out.
+  # uneven pipeline stage (sharding/pipeline/stage_split.py), left out.
   real = total > 0
   share = load * load.shape[-1] / jnp.maximum(total, 1.0)
   cv = jnp.std(share, axis=-1, keepdims=True) / jnp.maximum(jnp.mean(share, -1, keepdims=True),

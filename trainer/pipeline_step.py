@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharding import pipeline, schedules, stage_split
+from sharding.pipeline import executor as pipeline, schedules, stage_split
 from trainer import loss
 from trainer.config import StepConfig
 

@@ -8,7 +8,7 @@ import optax
 from flax import struct
 
 import sharding
-from sharding import stage_split
+from sharding.pipeline import stage_split
 from models.builder import init_params
 from models.config import ModelConfig
 
@@ -47,7 +47,7 @@ def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
 
 def stored(params, stage_layers: stage_split.StackSplit):
   """Parameters as the train state stores them: with uneven pipeline stages the layer stacks
-  padded per position (sharding/stage_split.py), else as they are."""
+  padded per position (sharding/pipeline/stage_split.py), else as they are."""
   return stage_split.pad_stacks(params, stage_layers)
 
 
@@ -57,7 +57,7 @@ def unstored(params, stage_layers: stage_split.StackSplit):
 
 
 def state_shardings(abstract: TrainState, names, tx: optax.GradientTransformation) -> TrainState:
-  """NamedShardings of the whole state in the current sharding context.
+  """NamedShardings of the whole state in the current sharding scope.
 
   Parameters follow their logical names; optimizer moments follow the parameter they belong to
   (optax.tree_map_params) in the optimizer-state view, which ZeRO >= 1 shards over `data` too;

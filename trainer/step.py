@@ -8,9 +8,9 @@ import optax
 from flax import nnx
 
 from models.fp8_weights import attach as fp8_attach, quantize_weights
-from sharding import (constrain, constrain_tree, excluding, gradient_replica_axes, stage_split,
-                      zigzag)
-from sharding.pipeline import pipeline_stages
+from sharding import constrain, constrain_tree, excluding, gradient_replica_axes, zigzag
+from sharding.pipeline import stage_split
+from sharding.pipeline.executor import pipeline_stages
 from trainer import loss
 from trainer.config import StepConfig
 from trainer.loss import moe_metrics, mtp_metrics

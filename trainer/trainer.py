@@ -9,7 +9,8 @@ import jax
 import sharding
 from kernels.attention import resolve as resolve_attention
 from models import abstract_model, param_names
-from sharding import report, stage_split
+from sharding import report
+from sharding.pipeline import stage_split
 from sharding.plan import estimate
 from sharding.xla import compiled, presets
 from trainer import data
@@ -40,7 +41,7 @@ class Trainer:
                                    microbatches=cfg.microbatches,
                                    rule_overrides=cfg.sharding_rules)
     self.mesh, self.rules = self.layout.mesh, self.layout.rules
-    with self.context():
+    with self.scope():
       self.graphdef, _ = abstract_model(cfg.model)
       self.names = param_names(cfg.model)
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
@@ -77,7 +78,7 @@ class Trainer:
     """Compiles the train step ahead of time (the program training runs) and refuses a layout
     whose compiled peak memory exceeds the device memory."""
     start = time.perf_counter()
-    with self.context():
+    with self.scope():
       executable = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
     self.compiled_step = executable
     rep = compiled.report(executable, "local", list(self.mesh.devices.flat),
@@ -128,7 +129,7 @@ class Trainer:
 
   def init_state(self) -> None:
     """Creates the train state sharded from the start (no unsharded copy ever exists)."""
-    with self.context():
+    with self.scope():
       self.state = jax.jit(self._init, out_shardings=self.shardings)()
 
   def model_params(self):
@@ -143,7 +144,7 @@ class Trainer:
   def sharding_report(self) -> str:
     """Every parameter (shape, logical names, spec, bytes per device) and every activation
     constraint of the train step, traced abstractly."""
-    with self.context(), sharding.record_constraints() as recorded:
+    with self.scope(), sharding.record_constraints() as recorded:
       jax.eval_shape(self.step_fn, self.abstract_state, self.abstract_batch())
     per_device = sum(r.bytes_per_device for r in self.param_rows)
     return "\n".join([
@@ -153,8 +154,8 @@ class Trainer:
         f" ({report.replicated_fraction(self.param_rows):.1%} of bytes replicated)",
         "activations:", report.format_rows(report.activation_rows(recorded), with_bytes=False)])
 
-  def context(self):
-    return self.layout.context()
+  def scope(self):
+    return self.layout.scope()
 
   def iterator(self, split: str):
     return data.make_iterator(self.cfg, self.tokenizer, split, jax.process_index(),
@@ -174,7 +175,7 @@ class Trainer:
     if it is None:
       return float("nan")
     nll, tokens = 0.0, 0.0
-    with self.context():
+    with self.scope():
       for _ in range(self.cfg.eval_batches):
         out = jax.device_get(self.eval_step(self.state.params, self.to_device(next(it))))
         nll, tokens = nll + float(out["nll_sum"]), tokens + float(out["tokens"])

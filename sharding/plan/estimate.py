@@ -7,7 +7,7 @@ formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: s
 import dataclasses
 from typing import Any
 
-from sharding import schedules
+from sharding.pipeline import schedules
 from sharding.layout import Layout
 from sharding.plan import context_parallel
 
@@ -266,7 +266,7 @@ class ParamCounts:
 
 def stage_layers(model: ModelSpec, layout: Layout) -> float:
   """Layer rows the most loaded pipeline stage stores and runs: L / pipeline when the stages
-  divide the layers, else the padded stack's share (sharding/stage_split.py, e.g. 8 for 126
+  divide the layers, else the padded stack's share (sharding/pipeline/stage_split.py, e.g. 8 for 126
   layers on 16 stages); all L without pipeline stages."""
   return layout.layers_per_device(model.num_layers)
 
@@ -384,7 +384,7 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
                                                lay.microbatches, lay.virtual_stages)
   # Each multi-token prediction module stores about a layer's activations and its own logits, for
   # one microbatch: with pipeline stages the last one runs them, and its backward follows each
-  # of its forwards at once (sharding/pipeline.py recomputes the last position's forward there).
+  # of its forwards at once (sharding/pipeline/executor.py recomputes the last position's forward there).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)

@@ -5,7 +5,7 @@ import json
 import math
 import os
 
-from sharding import schedules
+from sharding.pipeline import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
 from sharding.plan import context_parallel

@@ -1,10 +1,10 @@
 """The V-shaped schedules' tick tables (two chunks per stage: chunk 0 down the stages, chunk 1
 back up): ZB-V, built greedily, and DualPipeV, whose ticks pair one microbatch's forward with
-another's backward. sharding/schedules.make calls them; the executor runs them like the others."""
+another's backward. sharding/pipeline/schedules.make calls them; the executor runs them like the others."""
 
 from collections import deque
 
-from sharding.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
+from sharding.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
                                 RELEASES, position, ready)
 
 

@@ -2,7 +2,7 @@
 (ZB-H1) and the V-shaped zero-bubble schedule (ZB-V).
 
 A table says, for every tick and stage (device), which operation runs on which microbatch and
-virtual chunk. The executor (sharding/pipeline.py) runs it; the bubble fraction and the peak
+virtual chunk. The executor (sharding/pipeline/executor.py) runs it; the bubble fraction and the peak
 number of in-flight microbatches come from the same table (and feed the analytic model).
 """
 
@@ -250,7 +250,7 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
                      f" stages: got virtual={virtual}, {microbatches} microbatches, {stages}"
                      " stages")
   if kind in V_SHAPED:
-    from sharding import v_schedules  # imported here: it builds on this module's op codes
+    from sharding.pipeline import v_schedules  # imported here: it builds on this module's op codes
     rows = (v_schedules.zbv_rows if kind == "zbv" else v_schedules.dualpipev_rows)(
         stages, microbatches)
   else:

@@ -1,4 +1,5 @@
-"""The one sharding context (mesh, rules, ZeRO stage) and what reads it: constrain, shardings."""
+"""The one sharding scope (mesh, rules, ZeRO stage) and what reads it: constrain, shardings.
+("Context" names the context-parallel axis only.)"""
 
 import contextlib
 import contextvars
@@ -49,7 +50,7 @@ def record_constraints():
 
 
 def active() -> _Context | None:
-  """The open sharding context, or None outside every `use_rules`."""
+  """The open sharding scope, or None outside every `use_rules`."""
   return _CURRENT.get()
 
 
@@ -110,7 +111,7 @@ def current() -> _Context:
   """The active context; raises if no `use_rules` context is open."""
   value = _CURRENT.get()
   if value is None:
-    raise RuntimeError("no sharding context: wrap the call in sharding.use_rules(mesh, rules)")
+    raise RuntimeError("no sharding scope: wrap the call in sharding.use_rules(mesh, rules)")
   return value
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from sharding import schedules as sched
-from sharding.context import active, axes_of, current, excluding, gradient_replica_axes, mesh_sizes
+from sharding.pipeline import schedules as sched
+from sharding.scope import active, axes_of, current, excluding, gradient_replica_axes, mesh_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +59,13 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
 
   Args:
     fns: the model's pieces.
-    schedule: from sharding.schedules.make (stages = pipeline size).
+    schedule: from sharding.pipeline.schedules.make (stages = pipeline size).
     layers: {stack: stacked layer weights [L, ...]}, each L divisible by stages x virtual.
     shared: pytree of the other weights (embedding, final norm, head), replicated over stages.
     data: the microbatches {name: [M, b, ...]}, replicated over stages; their rows split over
       the data-parallel replicas.
     present: uneven stages: {stack: [stages x virtual, L / (stages x virtual)] bool}, the rows of
-      each position (model order) that hold a layer (sharding/stage_split.py); {}: all rows.
+      each position (model order) that hold a layer (sharding/pipeline/stage_split.py); {}: all rows.
     by_max: (tree like `layers`, tree like `shared`) of bools: the leaves whose "gradients" are
       combined by max over microbatches and stages instead of summed (fp8 amax histories);
       None: every leaf summed.

@@ -1,0 +1,3 @@
+"""Pipeline parallelism: the schedules' tick tables (schedules.py), the layer stacks' split over
+stages (stage_split.py) and the executor that runs a table inside the one SPMD program
+(executor.py)."""
