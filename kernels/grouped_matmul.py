@@ -10,7 +10,7 @@ those rows belong to (one, or a few where a tile straddles group boundaries).
 Backward: dx is the same kernel over dy and the transposed weights; dw[g] = x_g^T dy_g, one
 program per (group, K tile, N tile) looping over the row tiles of its group (`_dw_kernel`).
 
-fp8 (`grouped_matmul_fp8`, `grouped_weight_grad_fp8`; models/fp8_grouped.py quantizes and
+fp8 (`grouped_matmul_fp8`, `grouped_weight_grad_fp8`; models/fp8/grouped.py quantizes and
 differentiates): the same kernels on f8 operands, each with float32 scales (q ~ value x scale).
 The dot takes the f8 tiles as they are (Triton's f8 dot on H100, float32 accumulation); the
 forward divides each group's partial tile by that group's column scales before adding it, then

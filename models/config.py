@@ -3,7 +3,7 @@
 import dataclasses
 
 from kernels.attention import IMPLS as ATTENTION_IMPLS
-from models.fp8_config import FP8_RECIPES, FP8_TARGETS, Fp8Config  # noqa: F401  (re-exported)
+from models.fp8.config import FP8_RECIPES, FP8_TARGETS, Fp8Config  # noqa: F401  (re-exported)
 from sharding.context_parallel import CONTEXT_IMPLS, check_ulysses_degree
 from sharding.expert import EXCHANGES
 from sharding.layout import REMATS

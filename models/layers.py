@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import fp8 as fp8_ops
-from models.fp8_current import quantized_einsum
+from models.fp8 import delayed as fp8_ops
+from models.fp8.current import quantized_einsum
 from sharding import constrain, tokens_split
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
@@ -28,8 +28,8 @@ class Einsum(nnx.Module):
 
   The precision policy's casts happen here and only here (besides the loss): x and w to the
   compute dtype, or, with `fp8` (a models.config.Fp8Config that applies), both to fp8 with its
-  recipe: delayed scaling (models/fp8.py; the amax histories are parameters of this module, and
-  only this recipe has them) or a current-scaling one (models/fp8_current.py: no state).
+  recipe: delayed scaling (models/fp8/delayed.py; the amax histories are parameters of this module, and
+  only this recipe has them) or a current-scaling one (models/fp8/current.py: no state).
   """
 
   def __init__(self, shape: Sequence[int], names: Sequence[str], fan_in_dims: Sequence[int], *,
@@ -48,7 +48,7 @@ class Einsum(nnx.Module):
                                           (fp8_ops.FP8_HISTORY,)))
 
   def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-    # The step's fp8 copy of w, when the train step quantized it once (models/fp8_weights.py).
+    # The step's fp8 copy of w, when the train step quantized it once (models/fp8/weights.py).
     weight = self.w_fp8.get_value() if hasattr(self, "w_fp8") else None
     # fp8 quantizes the compute-dtype copy of w, as the anchors quantize their bf16 weights; dw
     # then leaves in the compute dtype, so its reduction moves what the bf16 step's does.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.fp8_grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_grouped
+from models.fp8.grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_grouped
 from models.layers import Einsum, logical_param
 from models.mlp import MLP
 from kernels.grouped_matmul import grouped_matmul
@@ -120,7 +120,7 @@ class Experts(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     e, d, f = cfg.moe.num_experts, cfg.embed_dim, cfg.moe.mlp_dim(cfg.mlp_dim)
     # The einsum dispatch ("dropping") runs fp8 in the Einsums (any recipe); "dropless" in its
-    # grouped GEMMs (models/fp8_grouped.py: tensorwise, rowwise), so its Einsums keep no state.
+    # grouped GEMMs (models/fp8/grouped.py: tensorwise, rowwise), so its Einsums keep no state.
     dropless = cfg.moe.dispatch == "dropless"
     cfg.fp8.check_dropless_experts(cfg.moe)
     fp8 = cfg.fp8.applies_to("experts")

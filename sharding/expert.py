@@ -19,7 +19,7 @@ EXCHANGES = ("auto", "padded", "ragged")
 
 class ExpertAxes(NamedTuple):
   """The mesh axes of the per-device expert FFN, for what must see past one device's rows,
-  experts and hidden columns (fp8 amaxes: models/fp8_grouped.py). Empty outside a context."""
+  experts and hidden columns (fp8 amaxes: models/fp8/grouped.py). Empty outside a context."""
   experts: tuple[str, ...] = ()  # split the experts
   hidden: tuple[str, ...] = ()  # split the params' `partial_over` dims
   rows: tuple[str, ...] = ()  # hold other tokens routed to the same (local) experts
@@ -160,7 +160,7 @@ def _batch_like_rule(axis_size, in_batched, w, x):
     return w, in_batched[0]
   # Typed like x too: the replicas' vmap may map its dim to a mesh axis (spmd_axis_name), over
   # which x then varies; a w that did not would fail the varying-axes check of any op meeting
-  # x's values (the fp8 scales of models/fp8_grouped.py, reduced from both).
+  # x's values (the fp8 scales of models/fp8/grouped.py, reduced from both).
   w = jnp.broadcast_to(w, (axis_size, *w.shape))
   varying = lambda a: jax.typeof(a).manual_axis_type.varying
   extra = tuple(sorted(varying(x) - varying(w)))

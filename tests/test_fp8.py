@@ -1,4 +1,4 @@
-"""fp8 projections with delayed scaling (models/fp8.py): the arithmetic against numpy, the amax
+"""fp8 projections with delayed scaling (models/fp8/delayed.py): the arithmetic against numpy, the amax
 state as specified and identical on every device, f8 dots in the CPU and H100 programs, and
 training that stays close to bf16.
 
@@ -28,7 +28,7 @@ import pytest
 
 from configs import llama
 from models.config import Fp8Config
-from models.fp8 import E4M3, E5M2, fp8_einsum, scale_from_history
+from models.fp8.delayed import E4M3, E5M2, fp8_einsum, scale_from_history
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo
 from tests import parallel_harness as harness
@@ -299,7 +299,7 @@ def fsdp8_collectives(tmp_path, fp8: Fp8Config, microbatches: int = 1, width: in
 @pytest.mark.parametrize("microbatches,width", [(1, 256), (2, 1024)])
 def test_fsdp_moves_the_projection_weights_in_fp8(tmp_path, microbatches, width):
   """fsdp=8 on 8 H100s: each weight is quantized once per step where its shard lives
-  (models/fp8_weights.py) and gathered as e4m3, at most half the bytes the bf16 program gathers
+  (models/fp8/weights.py) and gathered as e4m3, at most half the bytes the bf16 program gathers
   for the same projection weights (measured, tensorwise: 0.375x with one microbatch, where XLA
   gathers a layer's fp8 weights once for forward and backward, 0.46x with two at 1024 wide;
   delayed 0.25x and 0.34x). The weight gradients leave the fp8 GEMMs in bf16 and are

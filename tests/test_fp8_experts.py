@@ -1,4 +1,4 @@
-"""fp8 for the MoE experts under the dropless dispatch (models/fp8_grouped.py, the fp8 kernels of
+"""fp8 for the MoE experts under the dropless dispatch (models/fp8/grouped.py, the fp8 kernels of
 kernels/grouped_matmul.py): against a numpy simulation, against float32, under expert
 parallelism, in training, and in the H100 program; and what XLA does with an f8 ragged_dot.
 
@@ -29,7 +29,7 @@ import sharding
 import sharding.expert
 from configs import moe as moe_configs
 from models.config import Fp8Config, ModelConfig
-from models.fp8_grouped import RECIPES, GemmAxes, quantized_grouped
+from models.fp8.grouped import RECIPES, GemmAxes, quantized_grouped
 from models.moe import MoE, Experts
 from sharding import MeshConfig, dropless_experts
 from sharding.xla import compiled

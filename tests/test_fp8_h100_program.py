@@ -15,7 +15,7 @@ import pytest
 
 from configs import llama
 from models.config import Fp8Config
-from models.fp8_current import RECIPES, Gemm
+from models.fp8.current import RECIPES, Gemm
 from sharding import MeshConfig
 from sharding.xla import compiled
 from trainer.compile import compile_for_gpus
@@ -97,7 +97,7 @@ def test_recipe_gemms_in_the_h100_program(recipe, tmp_path):
 def test_cublaslt_fp8_gemms_with_triton_gemms_off(recipe, tmp_path):
   """xla_gpu_enable_triton_gemm=false: every projection GEMM (forward, dx, dw) is a cuBLASLt fp8
   call, no Triton GEMM is left, and the only plain cuBLASLt GEMMs are the bf16 head's forward,
-  dx and dw. Tensorwise and delayed scales are folded into the call (models/fp8.py's scaled_dot)
+  dx and dw. Tensorwise and delayed scales are folded into the call (models/fp8/delayed.py's scaled_dot)
   where the GEMM's own output is divided: measured 7 of 21 calls here; the others' outputs are
   reduced over devices first (row-parallel forwards, data-parallel dw), and a separate fusion
   divides after the reduction. Rowwise scales (per row) and blockwise's (per block, float32

@@ -1,4 +1,4 @@
-"""fp8 current-scaling recipes (models/fp8_current.py): tensorwise, rowwise and blockwise against a
+"""fp8 current-scaling recipes (models/fp8/current.py): tensorwise, rowwise and blockwise against a
 numpy simulation, on a channel that jumps 1000x, in training and under sharding (the H100
 program: tests/test_fp8_h100_program.py).
 
@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from models import param_names
 from models.config import FP8_RECIPES, Fp8Config
-from models.fp8 import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
-from models.fp8_current import RECIPES, Gemm, quantize_operand, quantized_einsum
+from models.fp8.delayed import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
+from models.fp8.current import RECIPES, Gemm, quantize_operand, quantized_einsum
 from sharding import MeshConfig
 from sharding.plan import optimizer_cost
 from tests import parallel_harness as harness

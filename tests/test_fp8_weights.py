@@ -1,4 +1,4 @@
-"""fp8 weights quantized once per step (models/fp8_weights.py): the same numbers as quantizing in
+"""fp8 weights quantized once per step (models/fp8/weights.py): the same numbers as quantizing in
 each GEMM, and a step whose microbatch loop quantizes no weight.
 
 Equalities here are exact (np.testing.assert_array_equal): the weight quantized beforehand is the
@@ -16,9 +16,9 @@ from flax import nnx
 from configs import llama
 from models import builder
 from models.config import Fp8Config
-from models.fp8 import fp8_einsum, quantize_weight as delayed_weight
-from models.fp8_current import quantize_weight as tensorwise_weight, quantized_einsum
-from models.fp8_weights import RECIPES, QuantizedWeight, quantize_weights
+from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
+from models.fp8.current import quantize_weight as tensorwise_weight, quantized_einsum
+from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights
 from trainer.config import StepConfig
 from trainer.step import make_grads_fn, make_loss_sums
 

@@ -12,7 +12,8 @@ from safetensors.numpy import save_file
 
 import sharding
 from configs import moe as moe_configs
-from models import abstract_model, hf, hf_mapping, param_names
+from models import abstract_model, hf, param_names
+from models.hf import mapping as hf_mapping
 from tests.test_cli import assert_one_line_error, meshtron
 from trainer.config import TrainConfig
 
@@ -54,7 +55,7 @@ def hf_logits(model, tokens=TOKENS) -> np.ndarray:
 
 
 def tensors(model_dir) -> dict:
-  files = hf._Tensors(str(model_dir))
+  files = hf.checkpoint._Tensors(str(model_dir))
   return {name: np.asarray(files.array(name)) for name in files.where}
 
 

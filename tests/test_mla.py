@@ -15,7 +15,7 @@ from flax import nnx
 from configs import moe as moe_presets
 from models import hf
 from models.config import MLAConfig, MoEConfig
-from models.hf_deepseek import RopeDeinterleaved
+from models.hf.deepseek import RopeDeinterleaved
 from models.transformer import Transformer
 from sharding import MeshConfig
 from tests import parallel_harness as harness

@@ -1,6 +1,6 @@
 """Parameters the optimizer does not train, and how the step carries them.
 
-- fp8 amax histories (models/fp8.py): the backward pass returns their new values in the gradient
+- fp8 amax histories (models/fp8/delayed.py): the backward pass returns their new values in the gradient
   slot. Microbatches and replicas combine them by max (an amax over the whole batch); they are
   never divided by the token count, kept out of the gradient norm, clipping and the optimizer,
   and written into the parameters after the update.
@@ -13,7 +13,7 @@
 import jax
 import jax.numpy as jnp
 
-from models.fp8 import FP8_HISTORY
+from models.fp8.delayed import FP8_HISTORY
 from models.moe import EXPERT_BIAS, update_bias
 
 

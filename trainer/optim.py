@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from models.fp8 import FP8_HISTORY
+from models.fp8.delayed import FP8_HISTORY
 from models.moe import EXPERT_BIAS
 from trainer.config import OptimConfig
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.fp8_weights import attach as fp8_attach, quantize_weights
+from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import constrain, constrain_tree, excluding, gradient_replica_axes, zigzag
 from sharding.pipeline import stage_split
 from sharding.pipeline.executor import pipeline_stages
@@ -67,7 +67,7 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
   also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and the mean is cast
   back to each parameter's dtype. fp8 amax histories travel as new state (trainer/non_gradient).
   Tensorwise and delayed fp8 weights are quantized once, before the microbatches
-  (models/fp8_weights.py), so FSDP gathers them in fp8 once per step.
+  (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
   """
   grad_fn = jax.grad(make_loss_sums(graphdef, cfg), has_aux=True)
   state = NonGradient(names)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models import hf_mapping
+from models.hf import mapping as hf_mapping
 from models.builder import abstract_model
 from models.config import ModelConfig
 

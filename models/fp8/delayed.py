@@ -16,7 +16,7 @@ is that history with this step's amax rolled in. The train step then *overwrites
 with it; the optimizer never moves them (trainer/optim.py freezes them, weight decay skips them).
 The amaxes are jnp.max over the whole logical array: under jit with GSPMD XLA reduces a sharded
 operand's max over all its shards (an all-reduce max), so every replica holds the same state.
-The current-scaling recipes (tensorwise, rowwise, blockwise) are in models/fp8_current.py.
+The current-scaling recipes (tensorwise, rowwise, blockwise) are in models/fp8/current.py.
 """
 
 import functools
@@ -77,7 +77,7 @@ def scaled_dot(eqn, a, b, scale_a, scale_b, dtype):
 
 def quantize_weight(w: jax.Array, w_history: jax.Array, margin: int):
   """(fp8 w, its scale, w_history with max|w| rolled in): what one step uses for w, whichever
-  microbatch (models/fp8_weights.py computes it once per step)."""
+  microbatch (models/fp8/weights.py computes it once per step)."""
   scale = scale_from_history(w_history, E4M3, margin)
   return quantize(w, scale, E4M3), scale, roll_in(w_history, w)
 

@@ -12,7 +12,7 @@ receives dw (the GEMMs' straight-through gradient), and the delayed history its 
 The numbers are those of quantizing in each GEMM: tests/test_fp8_weights.py.
 
 Rowwise and blockwise quantize a weight differently for the forward GEMM and for dx's
-(models/fp8_current.py), so their weights stay quantized in each GEMM.
+(models/fp8/current.py), so their weights stay quantized in each GEMM.
 """
 
 from typing import NamedTuple
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from models import fp8, fp8_current
+from models.fp8 import current as fp8_current, delayed as fp8
 from models.layers import Einsum
 from sharding import constrain_tree
 

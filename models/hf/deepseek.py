@@ -3,7 +3,7 @@
 import numpy as np
 
 from models.config import MLAConfig, MoEConfig, ModelConfig
-from models.hf_mapping import (HEADS_IN, HEADS_OUT, LLAMA, SAME, TRANSPOSED, Entry, LAYER_PREFIX,
+from models.hf.mapping import (HEADS_IN, HEADS_OUT, LLAMA, SAME, TRANSPOSED, Entry, LAYER_PREFIX,
                                rope_fields)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"

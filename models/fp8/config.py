@@ -7,7 +7,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
 # Projections that can run in fp8. The router always stays in float32 and the embedding lookup is
 # a gather; the output head ("head") is opt-in, as first and last layers are the most sensitive.
 FP8_TARGETS = ("attention", "mlp", "experts", "head")
-# The recipes the dropless dispatch's grouped expert GEMMs run (models/fp8_grouped.py). Delayed
+# The recipes the dropless dispatch's grouped expert GEMMs run (models/fp8/grouped.py). Delayed
 # scaling's amax histories are parameters, which the dropless region would have to carry and
 # reduce; blockwise's 1 x 128 tiles along the tokens would cut across the ragged expert groups.
 GROUPED_RECIPES = ("tensorwise", "rowwise")
@@ -25,7 +25,7 @@ class Fp8Config:
     "blockwise"   DeepSeek-V3: 1 x 128 tiles of activations and gradients, 128 x 128 weight
                   blocks; contracted and weight dims of at most 128 or a multiple of 128.
   Under model.moe.dispatch="dropless" the experts take tensorwise or rowwise, per expert, with
-  e4m3 output gradients (models/fp8_grouped.py).
+  e4m3 output gradients (models/fp8/grouped.py).
   """
 
   enabled: bool = False

@@ -168,7 +168,7 @@ def entries(params: dict, cfg: ModelConfig) -> list[Entry]:
       node = node[key]
     return True
   if cfg.mla is not None:
-    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    from models.hf import deepseek as hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
     table = hf_deepseek.table(cfg)
   else:
     table = LLAMA if cfg.moe is None else QWEN3_MOE if cfg.qk_norm else MIXTRAL
@@ -202,7 +202,7 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     if hf.get(key) not in (None, want):
       raise ValueError(f"{key}={hf[key]!r} is not supported (only {want!r})")
   if ARCHITECTURES[arch] == "deepseek_v3":
-    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    from models.hf import deepseek as hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
     return hf_deepseek.config_from_hf(hf, dtype)
   heads = hf["num_attention_heads"]
   if hf.get("use_sliding_window"):
@@ -274,7 +274,7 @@ def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
       rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       dtype=cfg.param_dtype)
   if cfg.mla is not None:
-    from models import hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
+    from models.hf import deepseek as hf_deepseek  # pylint: disable=import-outside-toplevel  (it builds on us)
     return hf_deepseek.config_to_hf(cfg, out)
   if cfg.sliding_window and cfg.qk_norm:
     raise ValueError("a Qwen3 model with model.sliding_window does not export to Hugging Face"

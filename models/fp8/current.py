@@ -1,6 +1,6 @@
 """fp8 projections with current scaling: the tensorwise, rowwise and blockwise recipes.
 
-Delayed scaling (models/fp8.py) scales a tensor by the amaxes of earlier steps; these recipes scale
+Delayed scaling (models/fp8/delayed.py) scales a tensor by the amaxes of earlier steps; these recipes scale
 it by its own amax, taken as it is quantized, so they keep no state and never saturate:
 
   tensorwise  one scale per operand (torchao's Float8Linear "tensorwise", as torchtitan runs it).
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.fp8 import E4M3, E5M2, quantize, scale_from_amax, scaled_dot, transposed
+from models.fp8.delayed import E4M3, E5M2, quantize, scale_from_amax, scaled_dot, transposed
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 BLOCK = 128  # DeepSeek-V3's tile: 1 x 128 activations and gradients, 128 x 128 weights
@@ -134,7 +134,7 @@ def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
   if not a.scale_spec and not b.scale_spec:  # tensorwise: as delayed scaling's GEMMs
     return scaled_dot(f"{a.spec},{b.spec}->{gemm.out}", a.q, b.q, a.scale, b.scale, dtype)
   k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
-  # The result in `dtype` (models/fp8.py's scaled_dot says why) unless blocks are to be rescaled
+  # The result in `dtype` (models/fp8/delayed.py's scaled_dot says why) unless blocks are to be rescaled
   # and summed, in float32; the per-row scales divide in float32 (no GEMM takes them).
   partial = jnp.einsum(f"{a.spec},{b.spec}->{k}{gemm.out}", a.q, b.q,
                        preferred_element_type=jnp.float32 if k else dtype)
@@ -145,7 +145,7 @@ def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
 
 
 def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Tensorwise: (fp8 w, its scale), the same for every GEMM of w (models/fp8_weights.py
+  """Tensorwise: (fp8 w, its scale), the same for every GEMM of w (models/fp8/weights.py
   computes it once per step, before the microbatches)."""
   scale = scale_from_amax(jnp.max(jnp.abs(w)), E4M3)
   return quantize(w, scale, E4M3), scale

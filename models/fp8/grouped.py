@@ -1,7 +1,7 @@
 """fp8 for the dropless MoE's grouped GEMMs: the tensorwise and rowwise recipes, per expert.
 
 Rows x [M, K] sorted by expert (group), weights w [G, K, N]; y[r] = x[r] @ w[g(r)]. The scales
-are those of the einsum ("dropping") dispatch's "EBCD,EDF->EBCF" under models/fp8_current.py:
+are those of the einsum ("dropping") dispatch's "EBCD,EDF->EBCF" under models/fp8/current.py:
 
   tensorwise  one scale per operand (all rows; all experts' weights).
   rowwise     x per row (amax over K), w per (expert, column) (amax over K). Backward: dx = dy w^T
@@ -30,7 +30,7 @@ Sharding: inside the dropless shard_map each device holds some rows, experts and
 (sharding/expert.py's ExpertAxes); every amax is pmax'ed over the mesh axes that spread its
 elements (`GemmAxes`), so a layout quantizes exactly as one device does. Delayed scaling (amax
 histories as parameters) and blockwise (1 x 128 tiles along ragged groups) are refused with the
-dropless dispatch (models/fp8_config.py).
+dropless dispatch (models/fp8/config.py).
 """
 
 import functools
@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.grouped_matmul import grouped_matmul_fp8, grouped_weight_grad_fp8, summed_like
-from models.fp8 import E4M3, quantize, scale_from_amax
-from models.fp8_config import GROUPED_RECIPES
+from models.fp8.delayed import E4M3, quantize, scale_from_amax
+from models.fp8.config import GROUPED_RECIPES
 
-RECIPES = GROUPED_RECIPES  # what models/fp8_config.py lets the dropless experts take
+RECIPES = GROUPED_RECIPES  # what models/fp8/config.py lets the dropless experts take
 IMPLS = ("pallas", "ragged_dot")
 GRAD = E4M3  # the output gradient's format (see the module docstring)
 
