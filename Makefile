@@ -38,7 +38,7 @@ clean:
 # 32 layers; the layout sweep and its plots; meshtron vs MaxText; MoE vs dense; the overlap facts
 # of the 8.86B programs; the planner's time (70B on 512 GPUs, --compile_top=16); context
 # parallelism's four programs; the estimate against the 8.86B H100 programs; page faults under
-# glibc's malloc and the trainer's; then the README's results section.
+# glibc's malloc and the trainer's; then the results section of docs/results.md.
 BENCH_ROUNDS ?= 2
 RESULTS := benchmarks/results
 .PHONY: bench
@@ -80,7 +80,7 @@ bench: $(STAMP)
 	  --warmup=1 --peak_file=$(RESULTS)/peak.jsonl --label=default_malloc > $(RESULTS)/host_memory.jsonl
 	$(BIN)/python benchmarks/train_step.py --model=100m --steps=3 --warmup=1 \
 	  --peak_file=$(RESULTS)/peak.jsonl --label=trainer_malloc >> $(RESULTS)/host_memory.jsonl
-	$(BIN)/python benchmarks/report.py --results $(RESULTS) --readme README.md
+	$(BIN)/python benchmarks/report.py --results $(RESULTS) --doc docs/results.md
 
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
 # `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
   else:
     if not gpu_names():
       fail("no NVIDIA GPU on this machine (nvidia-smi finds none); run it on a GPU machine, see"
-           " README 'GPU results'")
+           " docs/gpu-check.md 'GPU results'")
     installed = install(args.wheels)
     if installed:
       print(f"gpu-check: installed {', '.join(installed)}", flush=True)

@@ -1,11 +1,11 @@
-"""Writes the README's "GPU results" section from benchmarks/results/gpu/ (what `make gpu-check`
+"""Writes the "GPU results" section of docs/gpu-check.md from benchmarks/results/gpu/ (what `make gpu-check`
 wrote on a GPU machine and a session committed): the device, versions and date; the gpu tests
 with their measured errors; the measured peak; the attention kernels; the train step with its
 MFU and memory; the targets of the GPU issue, met or not.
 
 Rehearsal lines (gpu_check.py --rehearse: the CPU) are never reported as GPU results.
 
-  python benchmarks/gpu_report.py [--results benchmarks/results/gpu] [--readme README.md]
+  python benchmarks/gpu_report.py [--results benchmarks/results/gpu] [--doc docs/gpu-check.md]
 """
 
 import collections
@@ -16,7 +16,7 @@ from report import rows, section_main
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 PHASES = ("smoke", "tests", "kernels", "train", "fp8")
 NO_RUN = ("No GPU run yet: no session so far had a GPU machine at hand. `make gpu-check` on one"
-          " writes benchmarks/results/gpu/ and this section (README, GPU checks).")
+          " writes benchmarks/results/gpu/ and this section (docs/gpu-check.md).")
 
 
 def gpu_rows(results: str) -> dict[str, list[dict]]:

@@ -19,7 +19,7 @@ per-layer overhead, cross-node pipeline hop, overlap fractions) by least squares
 throughput on a sample of 10% of the runs drawn per cell with a fixed seed; the model's form is
 unchanged (no per-layout terms).
 
-  .venv/bin/python benchmarks/playbook_sweep.py [--fit] [--out FILE] [--readme README.md]
+  .venv/bin/python benchmarks/playbook_sweep.py [--fit] [--out FILE] [--doc docs/planning.md]
 """
 
 import argparse
@@ -266,7 +266,7 @@ def main() -> None:
   parser.add_argument("--derive", default="", help="the raw bench_final2 CSV to derive from")
   parser.add_argument("--fit", action="store_true", help="also fit on 10%% and score the rest")
   parser.add_argument("--out", default=RESULTS)
-  parser.add_argument("--readme", default="")
+  parser.add_argument("--doc", default="", help="write the section into this Markdown file")
   args = parser.parse_args()
   if args.derive:
     print(json.dumps({"derived_runs": derive(args.derive)}))
@@ -293,10 +293,10 @@ def main() -> None:
     for r in results:
       print(json.dumps({k: v for k, v in r.items() if k != "cells"}), flush=True)
       f.write(json.dumps(r) + "\n")
-  if args.readme:
+  if args.doc:
     sys.path.insert(0, HERE)
     from report import replace_section
-    replace_section(args.readme, BEGIN, END, render(args.out))
+    replace_section(args.doc, BEGIN, END, render(args.out))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Writes the README's results section from benchmarks/results/ (the last step of `make bench`).
+"""Writes the results section of docs/results.md from benchmarks/results/ (the last step of
+`make bench`).
 
 Reads peak.jsonl, train_step.jsonl, compile_scaling.jsonl, compare_summary.jsonl,
-moe_vs_dense.jsonl and overlap.jsonl (whichever exist) and prints Markdown; with --readme FILE it
+moe_vs_dense.jsonl and overlap.jsonl (whichever exist) and prints Markdown; with --doc FILE it
 replaces the text between the `<!-- results:begin -->` and `<!-- results:end -->` markers of FILE.
 Numbers are medians over the rounds of one `make bench` run; "other cores" is the CPU that other
 processes used during the timed steps (2 cores: anything well above 0 means they competed).
 
-  python benchmarks/report.py [--results benchmarks/results] [--readme README.md]
+  python benchmarks/report.py [--results benchmarks/results] [--doc docs/results.md]
 """
 
 import argparse
@@ -166,31 +167,32 @@ def render(results: str) -> str:
   return "\n".join(lines).rstrip() + "\n"
 
 
-def replace_section(readme_path: str, begin: str, end: str, text: str) -> None:
+def replace_section(path: str, begin: str, end: str, text: str) -> None:
   """Replaces the text between the `begin` and `end` marker lines of a Markdown file."""
-  readme = open(readme_path, encoding="utf-8").read()
-  if begin not in readme or end not in readme:
-    raise SystemExit(f"{readme_path} has no {begin} ... {end} markers to replace")
-  head, rest = readme.split(begin, 1)
+  doc = open(path, encoding="utf-8").read()
+  if begin not in doc or end not in doc:
+    raise SystemExit(f"{path} has no {begin} ... {end} markers to replace")
+  head, rest = doc.split(begin, 1)
   tail = rest.split(end, 1)[1]
-  with open(readme_path, "w", encoding="utf-8") as f:
+  with open(path, "w", encoding="utf-8") as f:
     f.write(f"{head}{begin}\n{text}{end}{tail}")
 
 
 def section_main(doc: str, render_fn, results: str, begin: str, end: str, name: str) -> None:
-  """The command line of a README-section writer: prints the section rendered from --results,
-  or with --readme FILE writes it between the markers `begin` and `end` of FILE."""
+  """The command line of a generated-section writer (the sections live in docs/): prints the
+  section rendered from --results, or with --doc FILE writes it between the markers `begin` and
+  `end` of FILE."""
   parser = argparse.ArgumentParser(description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--results", default=results)
-  parser.add_argument("--readme", default="")
+  parser.add_argument("--doc", default="", help="the Markdown file holding the section")
   args = parser.parse_args()
   text = render_fn(args.results)
-  if not args.readme:
+  if not args.doc:
     print(text, end="")
     return
-  replace_section(args.readme, begin, end, text)
-  print(f"wrote the {name} section of {args.readme}")
+  replace_section(args.doc, begin, end, text)
+  print(f"wrote the {name} section of {args.doc}")
 
 
 def main() -> None:

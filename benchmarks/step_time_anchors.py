@@ -4,10 +4,10 @@ also under meshtron's other context parallelism).
 
 Each anchor is compiled for its cluster without a GPU (`meshtron compile --target=h100xN`); the
 prediction's constants are the H100 profile's (sharding/plan/hardware.py), fixed with their
-sources before this comparison was first run. One JSON line per anchor, then (with --readme) the
-README section between its markers.
+sources before this comparison was first run. One JSON line per anchor, then (with --doc) the
+section of docs/planning.md between its markers.
 
-  .venv/bin/python benchmarks/step_time_anchors.py [--only NAME] [--out FILE] [--readme README.md]
+  .venv/bin/python benchmarks/step_time_anchors.py [--only NAME] [--out FILE] [--doc docs/planning.md]
 """
 
 import argparse
@@ -126,7 +126,7 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--only", default="", help="run the anchors whose name contains this")
   parser.add_argument("--out", default=RESULTS)
-  parser.add_argument("--readme", default="", help="write the section into this README")
+  parser.add_argument("--doc", default="", help="write the section into this Markdown file")
   parser.add_argument("--render_only", action="store_true", help="render --out, compile nothing")
   args = parser.parse_args()
   if not args.render_only:
@@ -136,9 +136,9 @@ def main() -> None:
           row = run(a)
           print(json.dumps(row), flush=True)
           f.write(json.dumps(row) + "\n")
-  if args.readme:
-    replace_section(args.readme, BEGIN, END, render(args.out))
-    print(f"wrote the step-time anchors section of {args.readme}")
+  if args.doc:
+    replace_section(args.doc, BEGIN, END, render(args.out))
+    print(f"wrote the step-time anchors section of {args.doc}")
 
 
 if __name__ == "__main__":

@@ -142,8 +142,8 @@ class MLAConfig:
 
 @dataclasses.dataclass(unsafe_hash=True)
 class ModelConfig:
-  """A Llama-style decoder (dimension letters, as in README: V vocab, D embed, H heads, K kv heads,
-  d head dim, F mlp; the layer count is `num_layers`). Hashable (a built Transformer keeps a copy
+  """A Llama-style decoder (dimension letters, as in docs/conventions.md: V vocab, D embed, H heads,
+  K kv heads, d head dim, F mlp; the layer count is `num_layers`). Hashable (a built Transformer keeps a copy
   of its config: models/transformer.py); treat it as read-only once a model is built."""
 
   vocab_size: int = 264

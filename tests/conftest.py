@@ -49,8 +49,8 @@ def pytest_configure(config):
 def pytest_runtest_setup(item):
   on_gpu_marker = item.get_closest_marker("gpu") is not None
   if on_gpu_marker and not GPU_MODE:
-    pytest.skip("needs an NVIDIA GPU: `make gpu-check` runs it on a GPU machine (README, GPU"
-                " results)")
+    pytest.skip("needs an NVIDIA GPU: `make gpu-check` runs it on a GPU machine (docs/gpu-check.md,"
+                " GPU results)")
   if GPU_MODE and not on_gpu_marker:
     pytest.skip(f"MESHTRON_GPU_TESTS={GPU_MODE} runs only the gpu tests (this one assumes 8 fake"
                 " CPU devices)")

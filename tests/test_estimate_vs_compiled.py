@@ -11,7 +11,7 @@ activations: `trainer_precision("float32")`) and no workspace allowance.
   a slice, so tensor parallelism without SP (0.58) holds whole [B, L, D] reduction buffers the
   GPU program would not; it also keeps fp32 copies of fused elementwise chains. On the 8.86B model
   compiled for 8 H100s the estimate is 0.71-1.08x the compiled peak, low without remat
-  (benchmarks/results/compile_vs_estimate.jsonl; README, Plan before you launch).
+  (benchmarks/results/compile_vs_estimate.jsonl; docs/planning.md, Analytic and instant).
 """
 
 import functools

@@ -1,6 +1,6 @@
 """`make gpu-check` without a GPU: one clear line, nothing changed; its whole code path rehearsed on
 the CPU (every phase; the gpu tests' phase in the slow set), so a GPU session spends its minutes
-measuring; the README section it feeds; the wheels it carries."""
+measuring; the docs/gpu-check.md section it feeds; the wheels it carries."""
 
 import json
 import os
@@ -16,6 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import gpu_report  # noqa: E402  (benchmarks/gpu_report.py)
+from tests.docs_text import section  # noqa: E402
 
 FACTS = ("gpu", "driver", "jax", "jaxlib", "python", "commit", "date", "rehearsal")
 # What exists only on an NVIDIA GPU: a rehearsal skips exactly these gpu tests.
@@ -43,7 +44,7 @@ def test_without_a_gpu_it_fails_with_one_line_and_changes_nothing(tmp_path):
   # make adds its own "make: *** ... Error 2" (make[1] when run under another make).
   ours = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: ", line)]
   assert ours == ["gpu-check: no NVIDIA GPU on this machine (nvidia-smi finds none); run it on a"
-                  " GPU machine, see README 'GPU results'"], proc.stderr
+                  " GPU machine, see docs/gpu-check.md 'GPU results'"], proc.stderr
   assert not out.exists()  # checked before installing or writing anything
 
 
@@ -133,7 +134,7 @@ def relabeled_render(rehearsal, tmp_path) -> str:
   return gpu_report.render(str(tmp_path))
 
 
-def test_rehearsals_never_reach_the_readme_and_gpu_lines_do(rehearsal, tmp_path):
+def test_rehearsals_never_reach_the_doc_and_gpu_lines_do(rehearsal, tmp_path):
   assert gpu_report.render(str(rehearsal)) == gpu_report.NO_RUN + "\n"
   text = relabeled_render(rehearsal, tmp_path)
   assert "jax 0.10.2" in text and "| gpu test | outcome |" not in text  # no tests phase here
@@ -150,9 +151,8 @@ def test_the_gpu_tests_phase_reaches_the_section(rehearsal_with_tests, tmp_path)
   assert "test_flash_kernel_equals_the_reference" in text, text
 
 
-def test_the_readme_has_the_gpu_section_markers():
-  readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-  assert readme.count(gpu_report.BEGIN) == 1 and readme.count(gpu_report.END) == 1
+def test_the_gpu_check_doc_has_the_gpu_section_markers():
+  section("gpu-check", gpu_report.BEGIN, gpu_report.END)  # each marker once
 
 
 def test_gpu_tests_live_in_the_files_gpu_check_collects():

@@ -106,10 +106,10 @@ def test_chunked_loss_on_h100_needs_a_tenth_of_the_dense_memory():
 
 
 def test_xla_gpu_runs_ragged_dot_as_a_dense_matmul_over_every_expert():
-  """A fact the MoE's GPU cost rests on (README, expert parallelism): this jax's XLA:GPU lowers
+  """A fact the MoE's GPU cost rests on (docs/moe.md, the MoE layer): this jax's XLA:GPU lowers
   ragged_dot to a masked copy of the rows per expert, [T, E, K], and one dense [T, E·K] x
   [E·K, N] GEMM: E times the grouped FLOPs. When XLA gains a grouped GEMM this test fails, and
-  the README's note and the MoE's step-time figures must be revisited."""
+  docs/moe.md's note and the MoE's step-time figures must be revisited."""
   result = kernels_on_h100()
   assert result["ragged_dot_rows_per_expert_copy"] and result["ragged_dot_dense_gemm"], result
 

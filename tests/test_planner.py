@@ -15,6 +15,7 @@ from sharding.plan import estimate, hardware, planner
 from sharding.layout import Layout, parse
 from sharding.mesh import LayoutError
 from sharding.plan.estimate import PLAYBOOK_MIXED
+from tests import docs_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = hardware.PROFILES["h100"]
@@ -300,8 +301,8 @@ def test_compile_top_16_of_a_70b_on_8_nodes_prints_both_rankings():
 def test_the_planner_speed_benchmark_runs_the_search_its_results_record():
   """benchmarks/planner_speed.py measures issue [18]'s two bounds (analytic search of 70B on 512
   GPUs under 5 s; --compile_top=16 under 5 minutes on 2 cores). Its analytic half runs here and
-  considers the layouts its committed results counted (tests/test_readme_figures.py checks the
-  README against those results)."""
+  considers the layouts its committed results counted (tests/test_readme_figures.py checks
+  docs/planning.md against those results)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "benchmarks/planner_speed.py", "--skip_compile_top",
                          "--repeats=1"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -317,7 +318,7 @@ def test_the_planner_speed_benchmark_runs_the_search_its_results_record():
 def test_the_whole_sweep_is_scored_from_the_committed_data():
   """benchmarks/playbook_sweep.py: the derived data holds every successful 1M-token run of the
   four playbook models (26 (model, nodes) cells), the fit sample is 10% of the physical runs,
-  the unfitted scores reproduce the committed results, and the README shows them."""
+  the unfitted scores reproduce the committed results, and docs/planning.md shows them."""
   sys.path.insert(0, os.path.join(REPO, "benchmarks"))
   import playbook_sweep as sweep
   runs = sweep.runs()
@@ -338,9 +339,8 @@ def test_the_whole_sweep_is_scored_from_the_committed_data():
   assert fresh["cells_first_ranked_at_least_0.9"] == before["cells_first_ranked_at_least_0.9"]
   # The issue's targets, on the held-out runs without the named departures.
   assert fresh["median_spearman"] >= 0.8 and fresh["cells_first_ranked_at_least_0.9"] >= 22
-  readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-  section = readme.split(sweep.BEGIN)[1].split(sweep.END)[0]
-  assert section.strip() == sweep.render(sweep.RESULTS).strip()
+  shown = docs_text.section("planning", sweep.BEGIN, sweep.END)
+  assert shown.strip() == sweep.render(sweep.RESULTS).strip()
 
 
 def test_the_named_departures_come_from_each_runs_record():

@@ -1,18 +1,17 @@
-"""The README's measured figures quote the committed benchmark results they cite (no stale copy):
-the planner's times and --compile_top outcome, context parallelism's table, the host-memory page
-faults, bf16 against float32, and the estimate against the 8.86B H100 programs. Reading files
-only: the benchmarks themselves are `make bench`'s."""
+"""The measured figures of the docs (README.md and docs/*.md) quote the committed benchmark
+results they cite (no stale copy): the planner's times and --compile_top outcome
+(docs/planning.md), context parallelism's table (docs/parallelism.md), the host-memory page faults
+(docs/training.md), bf16 against float32 (docs/results.md), and the estimate against the 8.86B
+H100 programs (docs/planning.md). Reading files only: the benchmarks themselves are
+`make bench`'s."""
 
 import json
 import os
 import statistics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.docs_text import REPO, doc
+
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-
-
-def readme() -> str:
-  return open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
 
 
 def results(name: str) -> list[dict]:
@@ -30,7 +29,7 @@ def test_the_context_parallel_table_is_the_committed_results():
   each row's temporaries and context-parallel payloads, and the gradients' all-reduce."""
   rows = {(r["target"], r["impl"]): r for r in results("context_parallel.jsonl")}
   assert {impl for _, impl in rows} == {"ring", "allgather", "ulysses", "ulysses_ring"}
-  text = readme()
+  text = doc("parallelism")
   text = text[text.index("Measured with `benchmarks/context_parallel.py`"):
               text.index("Which to pick:")]
   names = {"ring": "`ring`", "allgather": "`allgather`", "ulysses": "`ulysses` (N = 8)",
@@ -58,7 +57,8 @@ def test_the_page_faults_are_the_committed_measurement():
   default, tuned = runs["default_malloc"], runs["trainer_malloc"]
   assert default["model"] == tuned["model"] == "100m"
   assert tuned["page_faults_per_step"] <= 500 < default["page_faults_per_step"]
-  assert f"{default['page_faults_per_step']:,} page faults per step of the 100M model" in readme()
+  assert f"{default['page_faults_per_step']:,} page faults per step of the 100M model" in doc(
+      "training")
 
 
 def test_bf16_against_float32_is_the_committed_measurement():
@@ -70,7 +70,7 @@ def test_bf16_against_float32_is_the_committed_measurement():
             for dtype in ("bfloat16", "float32")}
   mfu = {dtype: statistics.median(r["mfu"] for r in runs if r["dtype"] == dtype)
          for dtype in median}
-  text = " ".join(readme().split())
+  text = " ".join(doc("results").split())
   assert (f"meshtron's bf16 step runs at {median['bfloat16'] / median['float32']:.2f}× its "
           f"float32 step there") in text
   assert f"{median['bfloat16']:,.0f} vs {median['float32']:,.0f} tokens/s" in text
@@ -78,11 +78,11 @@ def test_bf16_against_float32_is_the_committed_measurement():
 
 
 def test_the_estimate_against_the_8b_program_is_the_committed_measurement():
-  """benchmarks/compile_vs_estimate.py's four layouts: the README gives each ratio."""
+  """benchmarks/compile_vs_estimate.py's four layouts: docs/planning.md gives each ratio."""
   rows = results("compile_vs_estimate.jsonl")
   layouts = ["fsdp=8", "fsdp=4 x tensor=2, sp", "tensor=8, sp", "data=2 x fsdp=4, remat full"]
   assert [r["layout"] for r in rows] == layouts
-  text = " ".join(readme().split())
+  text = " ".join(doc("planning").split())
   for r in rows:
     quoted = f"{r['ratio_estimate_over_compiled']:.2f} ({r['layout'].replace(' x ', '×')}"
     assert quoted in text, quoted
@@ -91,12 +91,13 @@ def test_the_estimate_against_the_8b_program_is_the_committed_measurement():
 
 
 def test_the_planner_times_are_the_committed_measurement():
-  """benchmarks/planner_speed.py: both of issue [18]'s bounds met, and the README's figures for
-  the analytic search and the --compile_top=16 run (time, what the compiles decided, the best)."""
+  """benchmarks/planner_speed.py: both of issue [18]'s bounds met, and docs/planning.md's figures
+  for the analytic search and the --compile_top=16 run (time, what the compiles decided, the
+  best)."""
   committed = {r["benchmark"]: r for r in results("planner_speed.jsonl")}
   analytic, c = committed["analytic"], committed["compile_top"]
   assert analytic["best_s"] < analytic["bound_s"] and c["wall_s"] < c["bound_s"]
-  text = readme()
+  text = doc("planning")
   assert f"--compile_top=16` took {c['wall_s']:.0f} s" in text
   assert c["refused"] + c["too_big"] + c["fit"] == c["layouts"] == 16
   assert (f"  - {c['refused']} are refused: pipeline with context parallelism is not supported"

@@ -14,7 +14,7 @@ step: 0–500 faults per step, and the step went from 9.5 s to 5.9 s.
 glibc reads GLIBC_TUNABLES once, at process start. So the command-line entry points call
 `reexec_with_tunables()` first, and the process replaces itself (same pid, same arguments) once;
 the `meshtron` script (trainer/cli.py) does it before importing anything heavy.
-Notebooks and other embedders can set the variable before starting Python (see README).
+Notebooks and other embedders can set the variable before starting Python (see docs/training.md).
 """
 
 import os
