@@ -1,9 +1,11 @@
 """Pipeline schedules as static tick tables: AFAB (GPipe), 1F1B, interleaved 1F1B, zero-bubble
-(ZB-H1) and the V-shaped zero-bubble schedule (ZB-V).
+(ZB-H1), the V-shaped zero-bubble schedule (ZB-V) and DualPipeV.
 
-A table says, for every tick and stage (device), which operation runs on which microbatch and
-virtual chunk. The executor (sharding/pipeline/executor.py) runs it; the bubble fraction and the peak
-number of in-flight microbatches come from the same table (and feed the analytic model).
+This module owns the `Schedule` table and what is read off it (messages, buffer slots, bubble,
+in-flight microbatches), `make` (validation, then sharding/pipeline/ticks.simulate over the
+policies of sharding/pipeline/policies.py) and the analytic helpers the planner asks. The
+executor (sharding/pipeline/executor.py) runs a table; the bubble fraction and the peak number
+of in-flight microbatches come from the same table (and feed the analytic model).
 """
 
 import dataclasses
@@ -11,13 +13,13 @@ import functools
 
 import numpy as np
 
+from sharding.pipeline import policies
+# The tick model lives in ticks.py; callers read it from here (re-exported: `ready` is unused).
+from sharding.pipeline.ticks import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
+                                     NAMES, RELEASES, V_SHAPED, position, simulate)
+from sharding.pipeline.ticks import ready  # noqa: F401
+
 SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-# Two chunks per stage folded into a V: chunk 0 runs down the stages, chunk 1 back up, so the
-# first stage holds the model's first and last positions (embedding and head on one device).
-V_SHAPED = ("zbv", "dualpipev")
-IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = range(5)
-NAMES = {IDLE: ".", FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "b", BACKWARD_WEIGHT: "w"}
-RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the last use of a saved stage input
 # Where a tick's message goes: to the next stage (s + 1, round the ring), the previous one, or
 # this stage itself (the V's turn); and the sources a stage receives from, in that order.
 NOWHERE, RIGHT, LEFT, HERE = range(4)
@@ -173,65 +175,9 @@ class Schedule:
     return "\n".join(rows)
 
 
-def _programs(kind: str, stages: int, microbatches: int, virtual: int) -> list[list[tuple]]:
-  """Each stage's ordered list of (op, microbatch, chunk)."""
-  programs = []
-  for s in range(stages):
-    if kind == "afab":
-      program = [(FORWARD, m, 0) for m in range(microbatches)]
-      program += [(BACKWARD, m, 0) for m in range(microbatches)]
-    elif kind in ("1f1b", "zero_bubble"):
-      backward = BACKWARD_INPUT if kind == "zero_bubble" else BACKWARD
-      warmup = min(stages - s - 1, microbatches)
-      forwards = [(FORWARD, m, 0) for m in range(microbatches)]
-      backwards = [(backward, m, 0) for m in range(microbatches)]
-      program = forwards[:warmup]
-      for m in range(microbatches - warmup):  # steady state: one forward, one backward
-        program += [forwards[warmup + m], backwards[m]]
-      program += backwards[microbatches - warmup:]
-    else:  # interleaved 1F1B (Megatron): microbatches in groups of `stages`, chunk by chunk
-      order = [(m, c) for g in range(0, microbatches, stages) for c in range(virtual)
-               for m in range(g, g + stages)]
-      forwards = [(FORWARD, m, c) for m, c in order]
-      backwards = [(BACKWARD, m, virtual - 1 - c) for m, c in order]
-      total = len(forwards)
-      warmup = min((stages - s - 1) * 2 + (virtual - 1) * stages, total)
-      program = forwards[:warmup]
-      for k in range(total - warmup):
-        program += [forwards[warmup + k], backwards[k]]
-      program += backwards[total - warmup:]
-    programs.append(program)
-  return programs
-
-
-def position(kind: str, stages: int, chunk: int, stage: int) -> int:
-  """A stage's chunk's place in the whole model: round the ring (chunk x stages + stage) for the
-  interleaved schedules, down and back up for the V-shaped ones."""
-  if kind in V_SHAPED:
-    return stage if chunk == 0 else 2 * stages - 1 - stage
-  return chunk * stages + stage
-
-
-def ready(op, m, c, s, done, stages, virtual, tick, kind="1f1b") -> bool:
-  """Whether stage s may run `op` on microbatch m, chunk c in `tick`: its inputs arrived, with
-  one tick of transfer between stages (and at the V's turn). `done` maps (op, microbatch,
-  position) to the tick it ran. Every table builder asks here."""
-  here = position(kind, stages, c, s)  # this chunk's place in the whole model
-  last = stages * virtual - 1
-  def finished(what, pos):
-    return done.get((what, m, pos), tick) < tick
-  if op == FORWARD:
-    return here == 0 or finished(FORWARD, here - 1)
-  if op in (BACKWARD, BACKWARD_INPUT):
-    previous = BACKWARD
-    upstream = here == last or finished(previous, here + 1) or finished(
-        BACKWARD_INPUT, here + 1)
-    return finished(FORWARD, here) and upstream
-  return finished(BACKWARD_INPUT, here)  # BACKWARD_WEIGHT
-
-
 def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-  """Simulates each stage's program tick by tick (an operation starts once its inputs arrived)."""
+  """The schedule's table: each stage's policy run tick by tick (an operation starts once its
+  inputs arrived). ValueError for a layout the schedule cannot run."""
   if kind not in SCHEDULES:
     raise ValueError(f"pipeline schedule {kind!r} is not one of {', '.join(SCHEDULES)}")
   if kind in V_SHAPED and virtual != 2:
@@ -249,54 +195,12 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
     raise ValueError(f"interleaved_1f1b needs virtual >= 2 and microbatches a multiple of the"
                      f" stages: got virtual={virtual}, {microbatches} microbatches, {stages}"
                      " stages")
-  if kind in V_SHAPED:
-    from sharding.pipeline import v_schedules  # imported here: it builds on this module's op codes
-    rows = (v_schedules.zbv_rows if kind == "zbv" else v_schedules.dualpipev_rows)(
-        stages, microbatches)
-  else:
-    rows = _program_rows(kind, stages, microbatches, virtual)
+  rows = simulate(kind, stages, microbatches, virtual,
+                  policies.policies(kind, stages, microbatches, virtual))
   table = np.asarray(rows, dtype=np.int32)  # [ticks, stages, 3 or 6]
   paired = table[..., 3:] if table.shape[-1] == 6 else None
   return Schedule(kind, stages, microbatches, virtual, table[..., 0], table[..., 1],
                   table[..., 2], paired)
-
-
-def _program_rows(kind: str, stages: int, microbatches: int, virtual: int) -> list:
-  """Runs each stage's fixed program (`_programs`), an operation once its inputs arrived; ZB-H1
-  moves the deferred weight passes."""
-  programs = _programs(kind, stages, microbatches, virtual)
-  weights = [[] for _ in range(stages)]  # zero-bubble: deferred weight-gradient passes
-  done: dict = {}
-  rows = []
-  tick = 0
-  live = [0] * stages  # saved stage inputs per stage
-  while any(programs) or any(weights):
-    row = []
-    for s in range(stages):
-      step = None
-      nxt = programs[s][0] if programs[s] else None
-      # ZB-H1: a weight pass goes first when one more forward would keep more inputs alive than
-      # 1F1B does on this stage, so memory stays at 1F1B's.
-      over = nxt is not None and nxt[0] == FORWARD and live[s] >= stages - s
-      if weights[s] and over:
-        step = weights[s].pop(0)
-      elif nxt is not None and ready(*nxt, s, done, stages, virtual, tick, kind):
-        step = programs[s].pop(0)
-        if step[0] == BACKWARD_INPUT:
-          weights[s].append((BACKWARD_WEIGHT, step[1], step[2]))
-      elif weights[s]:  # fill what would be a bubble with a pending weight gradient
-        step = weights[s].pop(0)
-      if step is not None:
-        live[s] += (step[0] == FORWARD) - (step[0] in RELEASES)
-      row.append(step or (IDLE, 0, 0))
-    for s, (op, m, c) in enumerate(row):
-      if op != IDLE:
-        done[(op, m, position(kind, stages, c, s))] = tick
-    rows.append(row)
-    tick += 1
-    if tick > 10 * (microbatches * virtual + stages) * 3:
-      raise RuntimeError(f"schedule {kind} deadlocked")  # a bug in a program, never user input
-  return rows
 
 
 @functools.lru_cache(maxsize=512)
