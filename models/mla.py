@@ -22,7 +22,7 @@ class MLAttention(Attention):
   [k_nope, v] = kv_b(norm(c_kv)) per head. Each head's query and key are [nope, rope] with RoPE
   on the rope part; the rope key is one head broadcast to all. Stored like the HF checkpoint but
   for the rope dims' order: ours rotate halves (models/rope.py), DeepSeek's interleaved pairs; the
-  import permutes those weight columns (models/hf/mapping.py), which leaves every q.k unchanged.
+  import permutes those weight columns (models/hf/deepseek.py), which leaves every q.k unchanged.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):  # pylint: disable=super-init-not-called

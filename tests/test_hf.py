@@ -13,7 +13,9 @@ from safetensors.numpy import save_file
 import sharding
 from configs import moe as moe_configs
 from models import abstract_model, hf, param_names
-from models.hf import mapping as hf_mapping
+from models.hf import layouts as hf_layouts
+from models.hf import registry as hf_registry
+from models.hf.checkpoint import SafetensorsFiles
 from tests.test_cli import assert_one_line_error, meshtron
 from trainer.config import TrainConfig
 
@@ -55,7 +57,7 @@ def hf_logits(model, tokens=TOKENS) -> np.ndarray:
 
 
 def tensors(model_dir) -> dict:
-  files = hf.checkpoint._Tensors(str(model_dir))
+  files = SafetensorsFiles(str(model_dir))
   return {name: np.asarray(files.array(name)) for name in files.where}
 
 
@@ -139,7 +141,7 @@ def test_rope_scaling_is_read_and_matters(tmp_path):
   # transformers 4's spelling (rope_theta + rope_scaling) reads the same.
   legacy = dict(config, rope_theta=10_000.0, rope_scaling=dict(LLAMA3, type="llama3"))
   del legacy["rope_parameters"]
-  assert hf_mapping.config_from_hf(legacy).rope_scaling_factor == 8.0
+  assert hf_registry.config_from_hf(legacy).rope_scaling_factor == 8.0
 
 
 def test_bfloat16_checkpoint_imports_exactly(tmp_path):
@@ -158,14 +160,14 @@ def test_sharded_import_fsdp4_tensor2(tmp_path, monkeypatch):
   reference = hf_llama(tmp_path / "hf", rope_scaling=LLAMA3)
   single = np.asarray(hf.from_pretrained(str(tmp_path / "hf"))(TOKENS))
   read_sizes = []
-  original = hf_mapping.HEADS_IN.read
+  original = hf_layouts.HEADS_IN.read
 
   def recording_read(hf_tensor, index, shape):
     block = original(hf_tensor, index, shape)
     read_sizes.append(block.size)
     return block
 
-  monkeypatch.setattr(hf_mapping.HEADS_IN, "read", recording_read)
+  monkeypatch.setattr(hf_layouts.HEADS_IN, "read", recording_read)
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2))
   with sharding.use_rules(mesh):
     cfg = hf.read_config(str(tmp_path / "hf"))

@@ -168,7 +168,7 @@ def to_hf(src: str, out: str) -> None:
     shutil.copy(tokenizer, os.path.join(out, "tokenizer.json"))
     files.append("tokenizer.json")
   print(f"wrote {out}: {', '.join(files)}")
-  if model.mtp_depth:  # hf_mapping maps the main model only; its logits never use the modules
+  if model.mtp_depth:  # models/hf maps the main model only; its logits never use the modules
     print(f"left out the {model.mtp_depth} multi-token prediction module(s): the Hugging Face"
           " formats here have no place for them")
 

@@ -1,4 +1,9 @@
-"""Hugging Face checkpoints: config.json and safetensors streamed into shardings and back out."""
+"""Hugging Face checkpoints: config.json and safetensors streamed into shardings and back out.
+
+Owns the file side: reading and writing safetensors (`SafetensorsFiles`, `save_params`), config.json
+and the public API (read_config, load_params, from_pretrained, save_pretrained). What tensors an
+architecture has and how they map to ours comes from registry.py.
+"""
 
 import itertools
 import json
@@ -10,9 +15,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.hf import mapping as hf_mapping
 from models.builder import abstract_model
 from models.config import ModelConfig
+from models.hf.registry import architecture_of, config_from_hf, config_to_hf, entries
+from models.hf.layouts import Entry
 
 # safetensors dtype codes. Reads use the documented file layout (8-byte header size, JSON header,
 # raw little-endian data) through np.memmap: the `safetensors` numpy API cannot return bfloat16,
@@ -21,6 +27,8 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_d
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 2**30
+# Tensors some HF checkpoints carry that hold no parameter (recomputed buffers).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -40,7 +48,7 @@ def read_config(model_dir: str, dtype: str = "float32") -> ModelConfig:
   hf_config = read_hf_config(model_dir)
   path = os.path.join(model_dir, "config.json")
   try:
-    return hf_mapping.config_from_hf(hf_config, dtype)
+    return config_from_hf(hf_config, dtype)
   except KeyError as e:
     raise ValueError(f"{path} lacks {e.args[0]!r}") from None
   except ValueError as e:
@@ -53,7 +61,7 @@ def tokenizer_file(model_dir: str) -> str | None:
   return path if os.path.isfile(path) else None
 
 
-class _Tensors:
+class SafetensorsFiles:
   """The tensors of a directory's safetensors files, by name, opened lazily as memmaps."""
 
   def __init__(self, model_dir: str):
@@ -106,7 +114,7 @@ class _Tensors:
       return (ignored_layers_from is not None and name.startswith("model.layers.")
               and int(parts[2]) >= ignored_layers_from)
     extra = [n for n in self.where if n not in expected and not ignored(n)
-             and not n.endswith(hf_mapping.IGNORED_SUFFIXES) and n != "lm_head.weight"]
+             and not n.endswith(IGNORED_SUFFIXES) and n != "lm_head.weight"]
     if extra:
       raise ValueError(f"{model_dir} has {len(extra)} tensor(s) this architecture does not use:"
                        f" {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
@@ -128,7 +136,7 @@ def _slices(index, shape) -> tuple[slice, ...]:
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def _place(tensors: _Tensors, entry: hf_mapping.Entry, leaf, sharding,
+def _place(tensors: SafetensorsFiles, entry: Entry, leaf, sharding,
            layer_of_row=None) -> jax.Array:
   """One parameter, built device slice by device slice from its HF tensor(s).
 
@@ -180,15 +188,15 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
   the peak is a small multiple of the largest parameter's local slices, never the whole model
   (measured: 385 MiB of host arrays to load a 714 MiB model whose largest weight is 128 MiB).
   """
-  tensors = _Tensors(model_dir)
+  tensors = SafetensorsFiles(model_dir)
   _, abstract = abstract_model(cfg)
-  rows = hf_mapping.entries(abstract, cfg)
+  rows = entries(abstract, cfg)
   expected = {}
   for entry in rows:
     leaf = _get(abstract, entry.path)
     hf_shape = entry.layout.hf_shape(leaf.shape[entry.stacked:])
     expected.update({name: hf_shape for _, name in entry.hf_names(leaf.shape[:entry.stacked])})
-  tensors.check(expected, model_dir, cfg.num_layers if cfg.mla is not None else None)
+  tensors.check(expected, model_dir, architecture_of(cfg).unmapped_layers_from(cfg))
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract)
@@ -224,7 +232,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
   memory holds one file's worth. Parameters must be addressable by this process.
   """
   from safetensors.numpy import save_file
-  hf_mapping.config_to_hf(cfg)  # refuses a MoE no HF format here holds, before writing
+  config_to_hf(cfg)  # refuses a MoE no HF format here holds, before writing
   os.makedirs(out_dir, exist_ok=True)
   if any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(out_dir)):
     raise ValueError(f"{out_dir} already holds safetensors files; export into an empty directory")
@@ -237,7 +245,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
     parts.append((path, list(pending)))
     pending, size = {}, 0
 
-  for entry in hf_mapping.entries(params, cfg):
+  for entry in entries(params, cfg):
     array = _get(params, entry.path)
     if not array.is_fully_addressable:
       raise ValueError("export needs every parameter addressable by one process; run the"
@@ -262,7 +270,7 @@ def save_params(params: dict, cfg: ModelConfig, out_dir: str, *, base_config: di
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     files.append(INDEX)
   with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-    json.dump(hf_mapping.config_to_hf(cfg, base_config), f, indent=2, sort_keys=True)
+    json.dump(config_to_hf(cfg, base_config), f, indent=2, sort_keys=True)
   return files + ["config.json"]
 
 

@@ -1,12 +1,17 @@
-"""Hugging Face DeepseekV3ForCausalLM ⇄ meshtron: MLA weights and the DeepSeek-V3 MoE."""
+"""Hugging Face DeepseekV3ForCausalLM ⇄ meshtron: MLA weights and the DeepSeek-V3 MoE.
+
+Owns the rope-dims permutation of MLA's weights (`RopeDeinterleaved`), DeepSeek-V3's parameter
+table, its config.json conversions and `ARCHITECTURE`, its entry in the registry. It builds on
+layouts.py only: the embedding, head and dense-MLP rows it shares with Llama live there.
+"""
 
 import numpy as np
 
 from models.config import MLAConfig, MoEConfig, ModelConfig
-from models.hf.mapping import (HEADS_IN, HEADS_OUT, LLAMA, SAME, TRANSPOSED, Entry, LAYER_PREFIX,
-                               rope_fields)
+from models.hf.layouts import (DENSE_MLP_ROWS, GLOBAL_ROWS, HEADS_IN, HEADS_OUT, LAYER_PREFIX, SAME,
+                               TRANSPOSED, Architecture, Entry, llama_fields, rope_fields)
 
-ARCHITECTURE = "DeepseekV3ForCausalLM"
+HF_NAME = "DeepseekV3ForCausalLM"
 
 
 class RopeDeinterleaved:
@@ -62,9 +67,9 @@ def table(cfg: ModelConfig) -> tuple[Entry, ...]:
                                           ("down", "down_proj"))),
       *((("moe", "shared", ours, "w"), moe + f"shared_experts.{ours}_proj.weight", TRANSPOSED)
         for ours in ("gate", "up", "down")))
-  dense_mlp = tuple((e.path[1:], e.hf_name, e.layout) for e in LLAMA if e.path[1:2] == ("mlp",))
+  dense_mlp = tuple((e.path[1:], e.hf_name, e.layout) for e in DENSE_MLP_ROWS)
   first_moe = cfg.moe.first_dense_layers if cfg.moe is not None else 0
-  return (tuple(e for e in LLAMA if e.path[0] != "layers")
+  return (GLOBAL_ROWS
           + tuple(Entry(("layers",) + path, name, layout) for path, name, layout in mla + dense_mlp)
           + tuple(Entry(("moe_layers",) + path, name, layout, layer_offset=first_moe)
                   for path, name, layout in mla + moe_rows))
@@ -102,8 +107,9 @@ def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
   return cfg
 
 
-def config_to_hf(cfg: ModelConfig, out: dict) -> dict:
-  """`out` (the Llama fields of hf_mapping.config_to_hf) made a DeepseekV3 config.json."""
+def config_to_hf(cfg: ModelConfig, base: dict | None = None) -> dict:
+  """A DeepseekV3 config.json dict: Llama's fields (layouts.llama_fields, `base` keeping its other
+  fields) amended with MLA's and the MoE's."""
   m, moe = cfg.mla, cfg.moe
   if cfg.qk_norm or cfg.sliding_window or moe is not None and (
       moe.router != "sigmoid" or not moe.bias_update_rate or not moe.expert_mlp_dim):
@@ -111,10 +117,11 @@ def config_to_hf(cfg: ModelConfig, out: dict) -> dict:
                      " MoE with the sigmoid router, its routing bias (moe.bias_update_rate > 0)"
                      " and moe.expert_mlp_dim set")
   moe = moe or MoEConfig(expert_mlp_dim=cfg.mlp_dim, first_dense_layers=cfg.num_layers)
+  out = llama_fields(cfg, base)
   for key in ("mlp_bias", "sliding_window"):
     out.pop(key, None)
   out.update(
-      architectures=[ARCHITECTURE], model_type="deepseek_v3", num_key_value_heads=cfg.num_heads,
+      architectures=[HF_NAME], model_type="deepseek_v3", num_key_value_heads=cfg.num_heads,
       head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank or None,
       kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
       qk_rope_head_dim=m.qk_rope_head_dim, qk_head_dim=cfg.head_dim, v_head_dim=m.v_head_dim,
@@ -125,3 +132,11 @@ def config_to_hf(cfg: ModelConfig, out: dict) -> dict:
       n_group=moe.expert_groups, topk_group=moe.groups_per_token,
       num_nextn_predict_layers=0)  # multi-token prediction modules are not exported
   return out
+
+
+ARCHITECTURE = Architecture(
+    name="deepseek_v3", hf_names=(HF_NAME,), matches=lambda cfg: cfg.mla is not None, table=table,
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    # A checkpoint's multi-token-prediction modules follow the main layers (model.layers.61.* of
+    # DeepSeek-V3); they are not mapped, and transformers skips them too.
+    unmapped_layers_from=lambda cfg: cfg.num_layers)
