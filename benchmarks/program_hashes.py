@@ -31,7 +31,9 @@ os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from models.config import Fp8Config, MoEConfig  # noqa: E402
+from models import ComputeConfig  # noqa: E402
+from models.config import MoEConfig  # noqa: E402
+from models.fp8.config import Fp8Config  # noqa: E402
 from sharding import MeshConfig  # noqa: E402
 from sharding.xla import compiled, hlo  # noqa: E402
 from tests import parallel_harness as harness  # noqa: E402
@@ -53,24 +55,26 @@ def programs() -> dict:
   out["expert=8,dropping"] = (MeshConfig(data=1, expert=8),
                               dict(moe=dataclasses.replace(MOE, dispatch="dropping")))
   out["fsdp=8,fp8"] = (MeshConfig(data=1, fsdp=8),
-                       dict(model=dataclasses.replace(harness.MODEL, fp8=Fp8Config(True))))
+                       dict(compute=dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(True))))
   out["data=2,fsdp=2,tensor=2,flash,chunked"] = (
       MeshConfig(data=2, fsdp=2, tensor=2),
-      dict(model=dataclasses.replace(harness.MODEL, attention_impl="pallas_flash",
-                                     loss_impl="chunked", loss_chunk_size=4), microbatches=2))
+      dict(compute=ComputeConfig(attention_impl="pallas_flash", loss_impl="chunked",
+                                 loss_chunk_size=4), microbatches=2))
   return out
 
 
 def gpu_programs() -> dict:
   """name -> (MeshConfig, harness.config keyword arguments) of the bf16 programs for h100x8."""
-  bf16 = dataclasses.replace(harness.MODEL, attention_impl="auto", dtype="bfloat16")
+  bf16, auto = dataclasses.replace(harness.MODEL, dtype="bfloat16"), ComputeConfig()
   return {
-      "h100x8:fsdp=8,auto_attention": (MeshConfig(data=1, fsdp=8), dict(model=bf16)),
+      "h100x8:fsdp=8,auto_attention": (MeshConfig(data=1, fsdp=8),
+                                       dict(model=bf16, compute=auto)),
       "h100x8:expert=8,dropless,auto_exchange": (
           MeshConfig(data=1, expert=8),
-          dict(model=bf16, moe=dataclasses.replace(MOE, exchange="auto"))),
+          dict(model=bf16, compute=auto, moe=dataclasses.replace(MOE, exchange="auto"))),
       "h100x8:pipeline=2,fsdp=4,auto_attention": (MeshConfig(data=1, pipeline=2, fsdp=4),
-                                                  dict(model=bf16, microbatches=4)),
+                                                  dict(model=bf16, compute=auto,
+                                                       microbatches=4)),
   }
 
 

@@ -1,7 +1,9 @@
 """Models: logical names only, no mesh. Build abstractly, then materialize into shardings."""
 
+from models.builder import abstract_model, param_names
+from models.compute import ComputeConfig
 from models.config import ModelConfig, MoEConfig
 from models.transformer import Transformer
-from models.builder import abstract_model, param_names
 
-__all__ = ["ModelConfig", "MoEConfig", "Transformer", "abstract_model", "param_names"]
+__all__ = ["ComputeConfig", "ModelConfig", "MoEConfig", "Transformer", "abstract_model",
+           "param_names"]

@@ -8,11 +8,9 @@ from flax import nnx
 
 import kernels
 from models.config import ModelConfig
-from models.layers import Einsum, RMSNorm
+from models.layers import Einsum, RMSNorm, projection_kw
 from models.rope import apply_rope, inverse_frequencies
-from kernels.attention import resolve as resolve_impl
-from sharding import (constrain, context_attention, in_manual_region, platform, sequence_axes,
-                      shard_map_logical)
+from sharding import constrain, context_attention, shard_map_logical
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -21,12 +19,13 @@ KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
 # the data axes, heads over `tensor`). It needs whole sequences: context parallelism (seq split)
 # is refused with a clear error rather than silently attending within each shard. On CPU the
 # kernel runs in the Pallas interpreter, which shard_map's varying-axes check cannot follow
-# (see shard_map_logical); the check stays on wherever the kernel really compiles. One per
-# window: the kernel's block bounds are static.
+# (see shard_map_logical); the check stays on wherever the kernel really compiles. One per layout
+# and window: the kernel's block bounds are static.
 @functools.cache
-def _flash_per_device(window: int):
+def flash_per_device(layout, window: int):
+  """The Pallas flash kernel per device on the layout's mesh (sequences whole)."""
   return shard_map_logical(
-      lambda q, k, v, segment_ids: kernels.attention(q, k, v, segment_ids, causal=True,
+      layout, lambda q, k, v, segment_ids: kernels.attention(q, k, v, segment_ids, causal=True,
                                                      impl="pallas_flash", window=window),
       (Q_NAMES, KV_NAMES, KV_NAMES, ("batch", "seq")), Q_NAMES, whole=("seq",),
       what="pallas_flash attention", check_vma_on_cpu=False)
@@ -52,10 +51,9 @@ def context_kernel(context_impl: str, impl: str):
 class Attention(nnx.Module):
   """Llama attention: q/k/v column-split over heads, o row-split; K/V shared by head groups."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
     d, h, k, dh = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
-              fp8=cfg.fp8 if cfg.fp8.applies_to("attention") else None)
+    kw = projection_kw(cfg, compute, layout, rngs, "attention")
     self.q = Einsum((d, h, dh), ("embed", "heads", "head_dim"), (0,), **kw)
     self.k = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
     self.v = Einsum((d, k, dh), ("embed", "kv_heads", "head_dim"), (0,), **kw)
@@ -66,16 +64,8 @@ class Attention(nnx.Module):
     # Plain numbers (static), not arrays: the frequencies are a trace-time constant.
     self.rope = (dh, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
-    self.impl = cfg.attention_impl
-    self.context_impl, self.ulysses_degree = cfg.context_impl, cfg.ulysses_degree
+    self.layout = layout  # the kernel (layout.attention) and the context split
     self.window = cfg.sliding_window
-
-  def resolved_impl(self) -> str:
-    """The attention this trace runs: "auto" is a flash kernel on GPUs, the reference on CPU and
-    inside a pipeline stage (the kernel's shard_map cannot nest in the pipeline's yet)."""
-    if self.impl == "auto" and in_manual_region():
-      return "xla"
-    return resolve_impl(self.impl, platform())
 
   def project(self, x_BLD, positions_BL):
     """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
@@ -91,16 +81,15 @@ class Attention(nnx.Module):
     """The kernel over projected q, k, v, then the output projection: [B, L, D]. `window`: this
     layer's sliding window (0: full attention); None: the model's."""
     window = self.window if window is None else window
-    if sequence_axes():  # context parallelism: each device holds a part of the sequence
-      impl = self.resolved_impl()
+    layout, impl = self.layout, self.layout.attention
+    if layout.sequence_axes:  # context parallelism: each device holds a part of the sequence
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
-      out = context_attention(context_kernel(self.context_impl, impl), q, k, v, positions_BL,
-                              segments, impl=self.context_impl, degree=self.ulysses_degree,
-                              window=window, model_window=self.window,
-                              check_vma_on_cpu=(self.context_impl, impl) != ("ulysses",
-                                                                             "pallas_flash"))
-    elif (impl := self.resolved_impl()) == "pallas_flash":
-      out = _flash_per_device(window)(q, k, v, segment_ids_BL)
+      out = context_attention(layout, context_kernel(layout.context_impl, impl), q, k, v,
+                              positions_BL, segments, window=window,
+                              check_vma_on_cpu=(layout.context_impl, impl) != ("ulysses",
+                                                                               "pallas_flash"))
+    elif impl == "pallas_flash":
+      out = flash_per_device(layout, window)(q, k, v, segment_ids_BL)
     else:
       out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl, window=window)
     out = constrain(out, Q_NAMES)

@@ -2,20 +2,9 @@
 
 import dataclasses
 
-from kernels.attention import IMPLS as ATTENTION_IMPLS
-from models.fp8.config import FP8_RECIPES, FP8_TARGETS, Fp8Config  # noqa: F401  (re-exported)
-from sharding.context_parallel import CONTEXT_IMPLS, check_ulysses_degree
 from sharding.expert import EXCHANGES
-from sharding.layout import REMATS
 from sharding.plan.estimate import attention_span
 
-LOSS_IMPLS = ("dense", "chunked")
-# Remat policies by name: the jax.checkpoint_policies member each applies to one layer's body
-# (models/transformer.py). "selective" keeps the projection matmul outputs (dots without batch
-# dims) and recomputes the rest, notably the attention scores and softmax, whose einsums carry
-# batch dims. The names are the layout's (sharding.layout.REMATS: the analytic model's too).
-REMAT_POLICIES = dict(zip(REMATS, (None, "dots_with_no_batch_dims_saveable",
-                                   "nothing_saveable")))
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
@@ -142,9 +131,10 @@ class MLAConfig:
 
 @dataclasses.dataclass(unsafe_hash=True)
 class ModelConfig:
-  """A Llama-style decoder (dimension letters, as in docs/conventions.md: V vocab, D embed, H heads,
-  K kv heads, d head dim, F mlp; the layer count is `num_layers`). Hashable (a built Transformer keeps a copy
-  of its config: models/transformer.py); treat it as read-only once a model is built."""
+  """A Llama-style decoder's architecture (dimension letters, as in docs/conventions.md: V vocab,
+  D embed, H heads, K kv heads, d head dim, F mlp; the layer count is `num_layers`). How it is
+  computed is the run's (models/compute.py). Hashable (a built Transformer keeps a copy of its
+  config: models/transformer.py); treat it as read-only once a model is built."""
 
   vocab_size: int = 264
   embed_dim: int = 128
@@ -165,26 +155,7 @@ class ModelConfig:
   embed_init_std: float = 0.02
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of activations and matmuls
-  # "auto": a flash kernel on GPUs, the XLA reference on CPU (kernels/attention.resolve).
-  attention_impl: str = "auto"
-  # With the sequence split over `context`: "ring", "allgather", "ulysses" (head-split all-to-alls
-  # around any kernel) or "ulysses_ring" (USP; kernels/ulysses.py, sharding/context_parallel.py).
-  context_impl: str = "ring"
-  ulysses_degree: int = 0  # ulysses: 0 (= the context size); ulysses_ring: its inner factor
-  # How the output head meets the loss: "dense" materializes [B, L, V] logits; "chunked" runs
-  # the head and the cross-entropy over sequence chunks of `loss_chunk_size` tokens, so only
-  # [B, chunk, V] logits ever exist (kernels/cross_entropy.py). A model field, not a step one:
-  # it decides what the model hands the loss (logits, or final hidden states + head weights).
-  loss_impl: str = "dense"
-  loss_chunk_size: int = 256
-  remat: str = "none"
-  scan_layers: bool = True
   moe: MoEConfig | None = None  # None: every layer has the dense MLP (Llama)
-  fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
-  # The dense MLP's tensor-parallel collectives as collective matmuls (sharding/
-  # collective_matmul.py): with sequence parallelism, the all-gather before gate/up and the
-  # reduce-scatter after down become N - 1 ppermute steps that overlap the matmul chunks.
-  collective_matmul: bool = False
   # Qwen3's QK-norm: q and k each through an RMSNorm over the head dim (one scale of head_dim
   # shared by the heads) after their projection, before RoPE.
   qk_norm: bool = False
@@ -207,15 +178,13 @@ class ModelConfig:
   def __post_init__(self):
     if isinstance(self.moe, dict):  # from dataclasses.asdict (e.g. a config sent to a subprocess)
       self.moe = MoEConfig(**self.moe)
-    if isinstance(self.fp8, dict):
-      self.fp8 = Fp8Config(**self.fp8)
     if isinstance(self.mla, dict):
       self.mla = MLAConfig(**self.mla)
 
   def validate(self) -> None:
     """Raises ValueError with a one-line message for an inconsistent architecture."""
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "mlp_dim", "loss_chunk_size")
+                "mlp_dim")
     for name in positive:
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -224,12 +193,9 @@ class ModelConfig:
                        f" model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
-    for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("loss_impl", LOSS_IMPLS),
-                          ("context_impl", CONTEXT_IMPLS), ("remat", tuple(REMAT_POLICIES)),
-                          ("dtype", DTYPES), ("param_dtype", DTYPES)):
-      if getattr(self, name) not in allowed:
-        raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {allowed}")
-    check_ulysses_degree(self.context_impl, self.ulysses_degree)
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {DTYPES}")
     if self.sliding_window < 0:
       raise ValueError(f"model.sliding_window must be >= 0 (0: full attention), got"
                        f" {self.sliding_window}")
@@ -247,7 +213,6 @@ class ModelConfig:
     if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
       raise ValueError(f"model.mtp_depth and model.mtp_loss_weight must be >= 0 (depth 0: no"
                        f" multi-token prediction), got {self.mtp_depth} and {self.mtp_loss_weight}")
-    self.fp8.check_model(self)
 
   # ---- parameter counts (the formulas the tests check against the built model) ----
 

@@ -8,11 +8,20 @@ from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import quantized_einsum
-from sharding import constrain, tokens_split
+from sharding import constrain
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
 RESIDUAL = ("batch", "res_seq", "act_embed")
+
+
+def projection_kw(cfg, compute, layout, rngs: nnx.Rngs, target: str | None = None) -> dict:
+  """The keyword arguments of a model's Einsum: its dtypes and init RNG, the run's fp8 config
+  when it applies to `target` ("attention", "mlp", "experts", "head"; None: never), and whether
+  the layout splits tokens (`Einsum`)."""
+  fp8 = compute.fp8 if target is not None and compute.fp8.applies_to(target) else None
+  return dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs, fp8=fp8,
+              tokens_split=layout.tokens_split)
 
 
 def logical_param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -28,18 +37,20 @@ class Einsum(nnx.Module):
 
   The precision policy's casts happen here and only here (besides the loss): x and w to the
   compute dtype, or, with `fp8` (a models.config.Fp8Config that applies), both to fp8 with its
-  recipe: delayed scaling (models/fp8/delayed.py; the amax histories are parameters of this module, and
-  only this recipe has them) or a current-scaling one (models/fp8/current.py: no state).
+  recipe: delayed scaling (models/fp8/delayed.py; the amax histories are parameters of this
+  module, and only this recipe has them) or a current-scaling one (models/fp8/current.py: no
+  state). `tokens_split`: the layout splits the sequence of some activation (sharding.Layout).
   """
 
   def __init__(self, shape: Sequence[int], names: Sequence[str], fan_in_dims: Sequence[int], *,
-               param_dtype, dtype, rngs: nnx.Rngs, fp8=None):
+               param_dtype, dtype, rngs: nnx.Rngs, fp8=None, tokens_split: bool = False):
     out_dims = tuple(i for i in range(len(shape)) if i not in fan_in_dims)
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                 in_axis=tuple(fan_in_dims), out_axis=out_dims)
     self.w = logical_param(init(rngs.params(), tuple(shape), param_dtype), names)
     self.weight_rank = len(shape)  # w's own dims: stacking (nnx.vmap) adds dims before them
     self.dtype = dtype
+    self.tokens_split = tokens_split
     self.fp8_recipe = fp8.recipe if fp8 is not None else None  # plain str and int: static
     self.fp8_margin = fp8.margin if fp8 is not None else None
     if self.fp8_recipe == "delayed":
@@ -58,7 +69,7 @@ class Einsum(nnx.Module):
                                 *(getattr(self, n)[...] for n in fp8_ops.HISTORIES), weight)
     if self.fp8_recipe is not None:
       return quantized_einsum(self.fp8_recipe, eqn, x, w, weight)
-    if eqn.startswith("BL") and "->BL" in eqn and not tokens_split():
+    if eqn.startswith("BL") and "->BL" in eqn and not self.tokens_split:
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
       # weight gradient then contracts one dim of row-major operands; with two, XLA:CPU copies
       # the [B, L, F] activation gradient transposed first, at the cost of a third of the MLP

@@ -5,7 +5,7 @@ from flax import nnx
 
 from models.attention import KV_NAMES, Q_NAMES, Attention
 from models.config import ModelConfig
-from models.layers import Einsum, RMSNorm
+from models.layers import Einsum, RMSNorm, projection_kw
 from models.rope import apply_rope, inverse_frequencies
 from sharding import constrain
 
@@ -25,12 +25,12 @@ class MLAttention(Attention):
   import permutes those weight columns (models/hf/deepseek.py), which leaves every q.k unchanged.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):  # pylint: disable=super-init-not-called
+  def __init__(self, cfg: ModelConfig, compute, layout, *,  # pylint: disable=super-init-not-called
+               rngs: nnx.Rngs):
     m, d, h = cfg.mla, cfg.embed_dim, cfg.num_heads
     self.nope, self.rope_dim, self.latent_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
-              fp8=cfg.fp8 if cfg.fp8.applies_to("attention") else None)
+    kw = projection_kw(cfg, compute, layout, rngs, "attention")
     norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     if m.q_lora_rank:
       self.q_a = Einsum((d, m.q_lora_rank), ("embed", "latent"), (0,), **kw)
@@ -47,8 +47,7 @@ class MLAttention(Attention):
     self.o = Einsum((h, m.v_head_dim, d), ("heads", "head_dim", "embed"), (0, 1), **kw)
     self.rope = (m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_factor,
                  cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
-    self.impl, self.context_impl, self.window = cfg.attention_impl, cfg.context_impl, cfg.sliding_window
-    self.ulysses_degree = cfg.ulysses_degree
+    self.layout, self.window = layout, cfg.sliding_window
 
   def project(self, x_BLD, positions_BL):
     """q, k [B, L, H, nope + rope] and v [B, L, H, v_head_dim], RoPE applied."""

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import RESIDUAL, Einsum
+from models.layers import RESIDUAL, Einsum, projection_kw
 from sharding import constrain, logical_all_gather_matmul, logical_matmul_reduce_scatter
 
 HIDDEN = ("batch", "seq", "act_mlp")
@@ -14,14 +14,14 @@ HIDDEN = ("batch", "seq", "act_mlp")
 class MLP(nnx.Module):
   """down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
     d, f = cfg.embed_dim, cfg.mlp_dim
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
-              fp8=cfg.fp8 if cfg.fp8.applies_to("mlp") else None)
+    kw = projection_kw(cfg, compute, layout, rngs, "mlp")
     self.gate = Einsum((d, f), ("embed", "mlp"), (0,), **kw)
     self.up = Einsum((d, f), ("embed", "mlp"), (0,), **kw)
     self.down = Einsum((f, d), ("mlp", "embed"), (0,), **kw)
-    self.collective_matmul = cfg.collective_matmul
+    self.collective_matmul = compute.collective_matmul
+    self.layout = layout  # the collective matmuls' mesh
     self.dtype = cfg.dtype
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -38,7 +38,8 @@ class MLP(nnx.Module):
     activations travel once."""
     x = x_BLD.astype(self.dtype)
     w_in = jnp.stack([self.gate.w[...], self.up.w[...]], axis=1).astype(self.dtype)
-    gate_up = logical_all_gather_matmul(x, w_in, RESIDUAL, ("batch", "seq", None, "act_mlp"))
+    gate_up = logical_all_gather_matmul(self.layout, x, w_in, RESIDUAL,
+                                        ("batch", "seq", None, "act_mlp"))
     hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return logical_matmul_reduce_scatter(hidden, self.down.w[...].astype(self.dtype), HIDDEN,
-                                         RESIDUAL)
+    return logical_matmul_reduce_scatter(self.layout, hidden,
+                                         self.down.w[...].astype(self.dtype), HIDDEN, RESIDUAL)

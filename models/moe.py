@@ -10,10 +10,10 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.fp8.grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_grouped
-from models.layers import Einsum, logical_param
+from models.layers import Einsum, logical_param, projection_kw
 from models.mlp import MLP
 from kernels.grouped_matmul import grouped_matmul
-from sharding import constrain, dropless_experts, platform
+from sharding import constrain, dropless_experts
 from sharding.expert import ExpertAxes
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
@@ -117,38 +117,31 @@ class Experts(nnx.Module):
 
   NAMES = (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed"))
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
     e, d, f = cfg.moe.num_experts, cfg.embed_dim, cfg.moe.mlp_dim(cfg.mlp_dim)
     # The einsum dispatch ("dropping") runs fp8 in the Einsums (any recipe); "dropless" in its
     # grouped GEMMs (models/fp8/grouped.py: tensorwise, rowwise), so its Einsums keep no state.
     dropless = cfg.moe.dispatch == "dropless"
-    cfg.fp8.check_dropless_experts(cfg.moe)
-    fp8 = cfg.fp8.applies_to("experts")
-    self.fp8_recipe = cfg.fp8.recipe if fp8 else None  # plain str: static
-    kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs,
-              fp8=cfg.fp8 if fp8 and not dropless else None)
+    compute.fp8.check_dropless_experts(cfg.moe)
+    fp8 = compute.fp8.applies_to("experts")
+    self.fp8_recipe = compute.fp8.recipe if fp8 else None  # plain str: static
+    kw = projection_kw(cfg, compute, layout, rngs, None if dropless else "experts")
     self.gate = Einsum((e, d, f), self.NAMES[0], (1,), **kw)
     self.up = Einsum((e, d, f), self.NAMES[1], (1,), **kw)
     self.down = Einsum((e, f, d), self.NAMES[2], (1,), **kw)
     self.dtype = cfg.dtype
-    self.grouped_impl = cfg.moe.grouped_matmul
+    # `moe.grouped_matmul` as the layout resolved it ("auto": the Pallas kernel on GPUs).
+    self.grouped_impl = layout.grouped_matmul
 
   def weights(self) -> tuple[jax.Array, ...]:
     return tuple(p.w[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
 
-  def resolved_grouped_matmul(self) -> str:
-    """`moe.grouped_matmul` on the current platform (the mesh's devices: "gpu" in a deviceless
-    GPU compile): "auto" is the Pallas kernel on GPUs, ragged_dot elsewhere."""
-    if self.grouped_impl != "auto":
-      return self.grouped_impl
-    return "pallas" if platform() in ("gpu", "cuda", "rocm") else "ragged_dot"
-
   def grouped(self, x_AD, group_sizes, gate, up, down, axes=ExpertAxes()):
     """Rows grouped by expert through their expert's SwiGLU (`moe.grouped_matmul`), in fp8 when
     it applies; `axes`: the mesh axes of the dropless region (sharding/expert.py)."""
-    impl = self.resolved_grouped_matmul()
+    impl = self.grouped_impl
     if self.fp8_recipe not in (None, *GROUPED_RECIPES):  # a dropping model run dropless
-      raise ValueError(f"model.fp8.recipe={self.fp8_recipe!r} does not run the experts' grouped"
+      raise ValueError(f"compute.fp8.recipe={self.fp8_recipe!r} does not run the experts' grouped"
                        f" GEMMs (dropless dispatch), which take {GROUPED_RECIPES}")
     if self.fp8_recipe is None:
       plain = grouped_matmul if impl == "pallas" else jax.lax.ragged_dot
@@ -197,15 +190,16 @@ def dispatch_masks(ids_BLk, weights_BLk, num_experts: int, slots: int):
 class MoE(nnx.Module):
   """Routed experts (+ shared experts): y = sum_k w_k expert_{i_k}(x) (+ shared(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
     m = cfg.moe
     self.router = Router(cfg, rngs=rngs)
-    self.experts = Experts(cfg, rngs=rngs)
+    self.experts = Experts(cfg, compute, layout, rngs=rngs)
     shared_dim = m.num_shared_experts * m.mlp_dim(cfg.mlp_dim)
-    self.shared = MLP(dataclasses.replace(cfg, mlp_dim=shared_dim, moe=None), rngs=rngs) \
-        if shared_dim else None
+    self.shared = MLP(dataclasses.replace(cfg, mlp_dim=shared_dim, moe=None), compute, layout,
+                      rngs=rngs) if shared_dim else None
     self.num_experts, self.k = m.num_experts, m.experts_per_token
-    self.dispatch, self.capacity_factor, self.exchange = m.dispatch, m.capacity_factor, m.exchange
+    self.dispatch, self.capacity_factor = m.dispatch, m.capacity_factor
+    self.layout = layout  # the dropless region's mesh, exchange and pipeline stage
     self.dtype = cfg.dtype
 
   def __call__(self, x_BLD: jax.Array, dispatch: str | None = None):
@@ -222,10 +216,10 @@ class MoE(nnx.Module):
     if dispatch == "dropping":
       y, dropped = self._dropping(x_BLD, ids, weights)
     elif dispatch == "dropless":
-      y = dropless_experts(self.experts.grouped, x_BLD.astype(self.dtype), ids, weights,
-                           self.experts.weights(), Experts.NAMES, num_experts=self.num_experts,
-                           partial_over="mlp", exchange=self.exchange,
-                           check_vma=self.experts.resolved_grouped_matmul() != "pallas")
+      y = dropless_experts(self.layout, self.experts.grouped, x_BLD.astype(self.dtype), ids,
+                           weights, self.experts.weights(), Experts.NAMES,
+                           num_experts=self.num_experts, partial_over="mlp",
+                           check_vma=self.experts.grouped_impl != "pallas")
     elif dispatch == "dense":
       mix = jnp.sum(jax.nn.one_hot(ids, self.num_experts) * weights[..., None], axis=2)
       y = jnp.einsum("BLE,BLED->BLD", mix.astype(self.dtype), self.experts.every_token(x_BLD))

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import REMAT_POLICIES, ModelConfig
+from models.compute import REMAT_POLICIES
+from models.config import ModelConfig
 from models.layers import RESIDUAL, Einsum, RMSNorm
 from sharding import constrain
 
@@ -22,15 +23,16 @@ class MTPModule(nnx.Module):
   the paper writes the hidden state first, which is the same model with M's halves swapped.
   """
 
-  def __init__(self, cfg: ModelConfig, *, block, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute, layout, *, block, rngs: nnx.Rngs):
     kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     d = cfg.embed_dim
     self.embed_norm = RMSNorm(d, cfg.norm_eps, **kw)
     self.hidden_norm = RMSNorm(d, cfg.norm_eps, **kw)
     # M [2D, D]: both dims are model-width, so both are `embed` (FSDP splits the first; a mesh
     # axis splits one dim of an array at most).
-    self.proj = Einsum((2 * d, d), ("embed", "embed"), (0,), rngs=rngs, **kw)
-    self.block = block(cfg, rngs=rngs)
+    self.proj = Einsum((2 * d, d), ("embed", "embed"), (0,), rngs=rngs,
+                       tokens_split=layout.tokens_split, **kw)
+    self.block = block(cfg, compute, layout, rngs=rngs)
     self.out_norm = RMSNorm(d, cfg.norm_eps, **kw)
 
   def __call__(self, h_BLD, e_BLD, positions_BL, segment_ids_BL):
@@ -51,7 +53,7 @@ def run(modules, embeddings, h_BLD, positions_BL, segment_ids_BL, remat: str):
     embeddings: D embedded inputs [B, L, D]: for depth k, those of the tokens k positions ahead.
     h_BLD: the main model's last hidden states, before its final norm.
     positions_BL, segment_ids_BL: as for the main model.
-    remat: the model's remat policy, applied to each module as to a layer.
+    remat: the run's remat policy (compute.remat), applied to each module as to a layer.
   Returns:
     (D head inputs [B, L, D], D routing stats or Nones).
   """

@@ -8,28 +8,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention
-from models.config import REMAT_POLICIES, ModelConfig
-from models.layers import RESIDUAL, Einsum, Embed, RMSNorm
+from models.compute import REMAT_POLICIES, ComputeConfig
+from models.config import ModelConfig
+from models.layers import RESIDUAL, Einsum, Embed, RMSNorm, projection_kw
 from models.mla import MLAttention
 from models import mtp
 from models.mlp import MLP
 from models.moe import MoE, summarize
-from sharding import constrain
-
+from sharding import Layout, constrain, local_layout
 
 
 class DecoderBlock(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self._init_attention(cfg, rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+  def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
+    self._init_attention(cfg, compute, layout, rngs)
+    self.mlp = MLP(cfg, compute, layout, rngs=rngs)
 
-  def _init_attention(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+  def _init_attention(self, cfg: ModelConfig, compute, layout, rngs: nnx.Rngs) -> None:
     """The norms and attention every block has (created first: same init order in both)."""
     norm = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
-    self.attn = (Attention if cfg.mla is None else MLAttention)(cfg, rngs=rngs)
+    self.attn = (Attention if cfg.mla is None else MLAttention)(cfg, compute, layout, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
 
   def _attend(self, x_BLD, positions_BL, segment_ids_BL, window):
@@ -45,9 +45,10 @@ class DecoderBlock(nnx.Module):
 class MoEBlock(DecoderBlock):
   """The same block with the MoE feed-forward; also returns the layer's routing stats."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):  # pylint: disable=super-init-not-called
-    self._init_attention(cfg, rngs)
-    self.moe = MoE(cfg, rngs=rngs)
+  def __init__(self, cfg: ModelConfig, compute, layout, *,  # pylint: disable=super-init-not-called
+               rngs: nnx.Rngs):
+    self._init_attention(cfg, compute, layout, rngs)
+    self.moe = MoE(cfg, compute, layout, rngs=rngs)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, window=None):
     x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL, window)
@@ -55,12 +56,13 @@ class MoEBlock(DecoderBlock):
     return constrain(x_BLD + y_BLD, RESIDUAL), stats
 
 
-def _stack(block, num_layers: int, cfg: ModelConfig, rngs: nnx.Rngs, dim: str = "layers"):
+def _stack(block, num_layers: int, cfg: ModelConfig, compute, layout, rngs: nnx.Rngs,
+           dim: str = "layers"):
   """`num_layers` blocks with their weights stacked on a leading dim named `dim`."""
   @nnx.split_rngs(splits=num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: dim})
   def stack(rngs):
-    return block(cfg, rngs=rngs)
+    return block(cfg, compute, layout, rngs=rngs)
 
   return stack(rngs)
 
@@ -72,25 +74,39 @@ class Transformer(nnx.Module):
   there are none) and the rest form a second stack, `moe_layers`, scanned after it. With
   `cfg.mtp_depth`, `mtp` holds the multi-token prediction modules (models/mtp.py), which only the
   training loss runs (`mtp_hidden`).
+
+  `compute` is how the run computes it (kernels, remat, fp8, loss chunking; default
+  ComputeConfig()) and `layout` the run's resolved layout (sharding.Layout: the mesh, the kernels
+  chosen for its platform, the context split, the train step's regions); without one, a single
+  device's layout for JAX's default backend (sharding.local_layout), resolved here at build
+  time. Both are static: nothing is read from an ambient scope while tracing.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None,
+               layout: Layout | None = None, *, rngs: nnx.Rngs):
+    compute = ComputeConfig() if compute is None else compute
+    layout = local_layout(cfg, compute) if layout is None else layout
     kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     self.embed = Embed(cfg.vocab_size, cfg.embed_dim, cfg.embed_init_std, rngs=rngs, **kw)
     dense = cfg.dense_layers()
-    self.layers = _stack(DecoderBlock, dense, cfg, rngs) if dense else None
-    self.moe_layers = _stack(MoEBlock, cfg.moe_layers(), cfg, rngs) if cfg.moe else None
+    self.layers = _stack(DecoderBlock, dense, cfg, compute, layout, rngs) if dense else None
+    self.moe_layers = (_stack(MoEBlock, cfg.moe_layers(), cfg, compute, layout, rngs)
+                       if cfg.moe else None)
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **kw)
     self.head = None if cfg.tie_embeddings else Einsum(
-        (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,), rngs=rngs,
-        fp8=cfg.fp8 if cfg.fp8.applies_to("head") else None, **kw)
+        (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), (0,),
+        **projection_kw(cfg, compute, layout, rngs, "head"))
     # Multi-token prediction (models/mtp.py), stacked like layers and created last, so the other
     # weights draw the same values with or without it. Its blocks are the last stack's kind.
     # Its stacked dim is `mtp_layers`, not split over pipeline stages: the last stage runs all.
     module = functools.partial(mtp.MTPModule, block=MoEBlock if cfg.moe else DecoderBlock)
-    self.mtp = _stack(module, cfg.mtp_depth, cfg, rngs, "mtp_layers") if cfg.mtp_depth else None
-    # Static (in the graph definition): the config this model was built from, a private copy.
+    self.mtp = (_stack(module, cfg.mtp_depth, cfg, compute, layout, rngs, "mtp_layers")
+                if cfg.mtp_depth else None)
+    # Static (in the graph definition): the config this model was built from (a private copy),
+    # how it is computed, and the layout it runs in.
     self.config = copy.deepcopy(cfg)
+    self.compute = compute
+    self.layout = layout
 
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, return_aux=False):
     """Returns logits [B, L, V] in the compute dtype; with return_aux, (logits, aux).
@@ -160,7 +176,7 @@ class Transformer(nnx.Module):
                        f" model.mtp_depth={self.config.mtp_depth}")
     embeddings = [self.embed_tokens(tokens) for tokens in tokens_ahead]
     heads, stats = mtp.run(self.mtp, embeddings, x_BLD, positions_BL, segment_ids_BL,
-                           self.config.remat)
+                           self.compute.remat)
     if stats[0] is None:
       return heads, {}
     return heads, summarize(jax.tree.map(lambda *a: jnp.stack(a), *stats), len(stats))
@@ -226,11 +242,11 @@ class Transformer(nnx.Module):
     groups = jax.tree.leaves(stacked)[0].shape[0] // len(windows)
     stacked = jax.tree.map(lambda a: a.reshape(groups, len(windows), *a.shape[1:])
                            if period else a, stacked)
-    policy = REMAT_POLICIES[self.config.remat]
+    policy = REMAT_POLICIES[self.compute.remat]
     if policy is not None:
       body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy),
-                            prevent_cse=not self.config.scan_layers)
-    if self.config.scan_layers:
+                            prevent_cse=not self.compute.scan_layers)
+    if self.compute.scan_layers:
       x, ys = jax.lax.scan(body, x, stacked)
     else:  # unrolled: the same body and weights, for debugging
       outs = []

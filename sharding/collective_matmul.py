@@ -5,8 +5,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from sharding.scope import active, current, spec
 from sharding.mesh import LayoutError
+from sharding.scope import spec
 
 Names = Sequence[str | None]
 
@@ -119,8 +119,7 @@ def _collective_axis(wide: tuple, narrow: tuple, what: str) -> str | None:
 
 
 def _logical(x, w, x_names, out_names, contract, kind, what):
-  """Specs, collective axis and dim for a collective matmul in the current context."""
-  ctx = current()
+  """Specs, collective axis and dim for a collective matmul in the sharding scope's rules."""
   out_shape = x.shape[:-contract] + w.shape[contract:]
   x_spec = spec(x_names, x.shape, f"{what} input")
   out_spec = spec(out_names, out_shape, f"{what} output")
@@ -144,18 +143,17 @@ def _logical(x, w, x_names, out_names, contract, kind, what):
                       f" {sorted(expected) or 'none'}")
   w_spec = jax.sharding.PartitionSpec(*(_entry(x_axes[d]) for d in range(lead, x.ndim)),
                                        *(_entry(a) for a in out_axes[lead:]))
-  return ctx.mesh, x_spec, w_spec, out_spec, (found[0] if found else None)
+  return x_spec, w_spec, out_spec, (found[0] if found else None)
 
 
 def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _run(kind: str, x, w, x_names, out_names, contract, what):
-  if active() is None:
+def _run(layout, kind: str, x, w, x_names, out_names, contract, what):
+  if layout.mesh is None:
     return _dot(x, w, contract)
-  mesh, x_spec, w_spec, out_spec, found = _logical(x, w, x_names, out_names, contract, kind,
-                                                   what)
+  x_spec, w_spec, out_spec, found = _logical(x, w, x_names, out_names, contract, kind, what)
   if found is None:  # nothing to gather or scatter in this layout: a plain sharded matmul
     per_device = lambda a, b: _dot(a, b, contract)  # noqa: E731
   elif kind == "gather":
@@ -166,35 +164,37 @@ def _run(kind: str, x, w, x_names, out_names, contract, what):
     dim, axis = found
     per_device = lambda a, b: matmul_reduce_scatter(  # noqa: E731
         a, b, axis, scatter_dim=dim, contract=contract)
-  return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)(x, w)
+  return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(x_spec, w_spec),
+                       out_specs=out_spec)(x, w)
 
 
-def logical_all_gather_matmul(x: jax.Array, w: jax.Array, x_names: Names, out_names: Names, *,
-                              contract: int = 1) -> jax.Array:
+def logical_all_gather_matmul(layout, x: jax.Array, w: jax.Array, x_names: Names,
+                              out_names: Names, *, contract: int = 1) -> jax.Array:
   """`x . w` (x's last `contract` dims against w's first) where x is split on one more mesh axis
   than the result on one dim (sequence parallelism: x's `res_seq` over `tensor`, the result's
   `seq` not): the gather over that axis runs as `all_gather_matmul` under shard_map.
 
   The weights are taken split as the result's dims require (e.g. `mlp` over `tensor`) and whole
-  elsewhere, so FSDP-sharded weights are all-gathered on the way in. Outside a sharding scope,
-  or when the layout splits nothing more, it is the plain matmul.
+  elsewhere, so FSDP-sharded weights are all-gathered on the way in. Without a mesh, or when
+  the layout splits nothing more, it is the plain matmul.
 
   Args:
+    layout: the run's sharding.Layout (its mesh; the specs come from the sharding scope).
     x: Activations, e.g. [B, L, D] named ("batch", "res_seq", "act_embed").
     w: Weights, e.g. [D, F].
     x_names: Logical names of x's dims.
     out_names: Logical names of the result's dims, e.g. ("batch", "seq", "act_mlp").
     contract: How many trailing dims of x are contracted.
   """
-  return _run("gather", x, w, x_names, out_names, contract, "all_gather_matmul")
+  return _run(layout, "gather", x, w, x_names, out_names, contract, "all_gather_matmul")
 
 
-def logical_matmul_reduce_scatter(x: jax.Array, w: jax.Array, x_names: Names, out_names: Names,
-                                  *, contract: int = 1) -> jax.Array:
+def logical_matmul_reduce_scatter(layout, x: jax.Array, w: jax.Array, x_names: Names,
+                                  out_names: Names, *, contract: int = 1) -> jax.Array:
   """`x . w` where x's contracted dims are split over a mesh axis (row-parallel: partial sums)
   and the result is split over that axis on one more dim (sequence parallelism: `res_seq` over
   `tensor`): the reduction runs as `matmul_reduce_scatter` under shard_map. Arguments as for
   `logical_all_gather_matmul`, e.g. x [B, L, F] ("batch", "seq", "act_mlp"), result names
   ("batch", "res_seq", "act_embed").
   """
-  return _run("scatter", x, w, x_names, out_names, contract, "matmul_reduce_scatter")
+  return _run(layout, "scatter", x, w, x_names, out_names, contract, "matmul_reduce_scatter")

@@ -1,7 +1,8 @@
 """Context parallelism: the sequence order (load-balanced "zigzag", or contiguous) and the
 shard_map that runs per-device context attention (ring, all-gather, Ulysses or their USP hybrid)
-over the mesh axes splitting the sequence. `load_balanced` is the one place the order is chosen:
-`zigzag` reorders the batch by it and `context_attention` tells the kernel which order it got."""
+over the mesh axes splitting the sequence. `load_balanced` is the one place the order is chosen
+(the layout records it when resolved): `zigzag` reorders the batch by it and `context_attention`
+tells the kernel which order it got."""
 
 from collections.abc import Callable
 
@@ -10,26 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from sharding.scope import axes_of, constrain, current, mesh_sizes, spec
 from sharding.mesh import LayoutError
+from sharding.scope import constrain, spec
 
 CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")
 # The hybrid's two factors of `context`: axes of a mesh view that exists only inside its shard_map
 # (`factored`); the run's mesh keeps its six axes.
 RING_AXIS, ULYSSES_AXIS = "context_ring", "context_ulysses"
-
-
-def sequence_axes() -> tuple[str, ...]:
-  """Mesh axes (size > 1) that split the `seq` dim in the current context; () without one."""
-  return axes_of("seq")
-
-
-def tokens_split() -> bool:
-  """Whether a mesh axis (size > 1) splits the sequence of any activation in the current context:
-  `seq` under context parallelism, `res_seq` also under sequence parallelism. When none does,
-  each device holds whole sequences, so [B, L, ...] activations are [B·L, ...] token rows
-  without moving data (models/layers.Einsum uses that)."""
-  return bool(axes_of("seq") or axes_of("res_seq"))
 
 
 def zigzag_permutation(length: int, parts: int) -> np.ndarray:
@@ -56,24 +44,23 @@ def load_balanced(window: int = 0, impl: str = "ring") -> bool:
   return not window and impl != "ulysses"
 
 
-def zigzag(batch: dict, window: int = 0, impl: str = "ring") -> dict:
+def zigzag(batch: dict, layout) -> dict:
   """Reorders the sequence dim of every [B, L] batch array into the zigzag order when the
-  sequence is split and `load_balanced(window, impl)` (identity otherwise). The loss is a sum
-  over tokens and attention masks come from positions and segment ids, so nothing has to be
-  undone afterwards. `window`: the model's sliding window (0: none); `impl`: its context_impl."""
-  axes = sequence_axes()
-  if not axes or not load_balanced(window, impl):
+  layout splits the sequence in the load-balanced order (`layout.load_balanced`, decided by
+  `load_balanced` from the model's window and context impl); identity otherwise. The loss is a
+  sum over tokens and attention masks come from positions and segment ids, so nothing has to be
+  undone afterwards."""
+  if not layout.sequence_axes or not layout.load_balanced:
     return batch
-  parts = int(np.prod([mesh_sizes(current().mesh)[a] for a in axes]))
-  order = zigzag_permutation(next(iter(batch.values())).shape[1], parts)
+  order = zigzag_permutation(next(iter(batch.values())).shape[1], layout.sequence_parts)
   return {k: constrain(jnp.take(v, order, axis=1), ("batch", "seq")) for k, v in batch.items()}
 
 
 def check_ulysses_degree(impl: str, degree: int) -> None:
-  """One-line ValueError for a model.ulysses_degree its context_impl cannot take."""
+  """One-line ValueError for a compute.ulysses_degree its context_impl cannot take."""
   if not {"ulysses": degree >= 0, "ulysses_ring": degree > 0}.get(impl, degree == 0):
-    raise ValueError(f"model.ulysses_degree={degree} does not fit model.context_impl={impl!r}:"
-                     " ulysses takes 0 or the context size, ulysses_ring its inner factor"
+    raise ValueError(f"compute.ulysses_degree={degree} does not fit"
+                     f" compute.context_impl={impl!r}: ulysses takes 0 or the context size, ulysses_ring its inner factor"
                      " (> 0), ring and allgather 0")
 
 
@@ -118,20 +105,18 @@ def _factor_spec(spec: PartitionSpec) -> PartitionSpec:
   return PartitionSpec(*(entry(axes) for axes in spec))
 
 
-def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, impl: str = "ring",
-                      degree: int = 0, window: int = 0, model_window: int | None = None,
-                      check_vma_on_cpu: bool = True,
+def context_attention(layout, kernel: Callable, q, k, v, positions, segment_ids, *,
+                      window: int = 0, check_vma_on_cpu: bool = True,
                       q_names=("batch", "seq", "act_heads", "head_dim"),
                       kv_names=("batch", "seq", "act_kv_heads", "head_dim"), v_names=None):
   """Runs `kernel(q, k, v, positions, segment_ids, axis_name=..., window=..., contiguous=...)`
   (kernels.ring_attention, allgather_attention, ulysses_attention or ulysses_ring_attention)
-  per device with the sequence split over the context axes.
+  per device with the sequence split over the layout's sequence axes.
 
-  `impl`: the model's context_impl, which chose the batch's order with `model_window`
-  (`zigzag(batch, model_window, impl)`); "ulysses_ring" also splits `context` into its ring and
-  Ulysses factors (`factored`, Ulysses `degree` inner) and hands the kernel both axis names.
-  `window`: this layer's sliding window (0: full attention). `model_window`: the model's (None:
-  `window`): with one the batch is in the contiguous order, and a windowed layer's ring skips
+  The layout's context_impl chose the batch's order (`zigzag`, `layout.load_balanced`);
+  "ulysses_ring" also splits `context` into its ring and Ulysses factors (`factored`, Ulysses
+  `layout.ulysses_degree` inner) and hands the kernel both axis names. `window`: this layer's
+  sliding window (0: full attention); in the contiguous order a windowed layer's ring skips
   the hops it does not need (a full-attention layer of such a model runs every hop). v may have
   its own head dim (MLA) and names (`v_names`, default `kv_names`); the output has q's names
   with v's head dim. `check_vma_on_cpu`: False for a Pallas kernel interpreted on CPU inside
@@ -143,7 +128,7 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, impl
   manual over the context axes alone could not sit inside the data-parallel vmap of gradient
   accumulation.)
   """
-  axes = sequence_axes()
+  axes = layout.sequence_axes
   token_names = (q_names[0], q_names[1])
   specs = (spec(q_names, q.shape, "context attention q"),
            spec(kv_names, k.shape, "context attention k"),
@@ -151,14 +136,13 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, impl
            spec(token_names, positions.shape, "context attention positions"),
            spec(token_names, positions.shape, "context attention segment ids"))
   out_spec = spec(q_names, (*q.shape[:-1], v.shape[-1]), "context attention output")
-  contiguous = not load_balanced(window if model_window is None else model_window, impl)
-  ctx = current()
-  mesh, axis_name = ctx.mesh, axes[0] if len(axes) == 1 else axes
-  if impl == "ulysses_ring":
+  contiguous = not layout.load_balanced
+  mesh, axis_name = layout.mesh, axes[0] if len(axes) == 1 else axes
+  if layout.context_impl == "ulysses_ring":
     if axes != ("context",):
       raise LayoutError(f"context_impl=ulysses_ring factors the `context` axis, but the sequence"
                         f" is split over {axes}; keep the `seq` rule at context alone")
-    mesh, axis_name = factored(mesh, degree), (RING_AXIS, ULYSSES_AXIS)
+    mesh, axis_name = factored(mesh, layout.ulysses_degree), (RING_AXIS, ULYSSES_AXIS)
     specs, out_spec = tuple(map(_factor_spec, specs)), _factor_spec(out_spec)
 
   def per_device(q, k, v, positions, segment_ids):
@@ -171,8 +155,7 @@ def context_attention(kernel: Callable, q, k, v, positions, segment_ids, *, impl
   # (batch over the data axes, sequence over context, heads over tensor), so no value is
   # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
   # the result equal to one device.
-  on_cpu = mesh.devices.flat[0].platform == "cpu"
-  check = not ctx.excluded and (check_vma_on_cpu or not on_cpu)
+  check = not layout.in_replica_vmap and (check_vma_on_cpu or layout.platform != "cpu")
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
                          check_vma=check)
   return mapped(q, k, v, positions, segment_ids)

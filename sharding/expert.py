@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from sharding.scope import active, in_manual_region, mesh_sizes, spec
-from sharding.mesh import LayoutError
+from sharding.mesh import LayoutError, mesh_sizes
+from sharding.scope import spec
 
 Names = tuple[str | None, ...]
 TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
@@ -29,14 +29,13 @@ class ExpertAxes(NamedTuple):
     return tuple(sorted({*self.experts, *self.hidden, *self.rows}))
 
 
-def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
+def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
                      weights_BLk: jax.Array, params: Sequence[jax.Array],
                      param_names: Sequence[Names], *, num_experts: int,
-                     partial_over: str | None = None, exchange: str = "auto",
-                     check_vma: bool = True) -> jax.Array:
+                     partial_over: str | None = None, check_vma: bool = True) -> jax.Array:
   """y[t] = sum_k weights[t, k] * expert_fn_{ids[t, k]}(x[t]): every assignment computed.
 
-  In a sharding scope this runs per device under `jax.shard_map` over the whole mesh, with
+  On the layout's mesh this runs per device under `jax.shard_map` over the whole mesh, with
   specs from logical names: tokens keep their batch/seq sharding and are sorted by expert
   locally; each param's first dim (the experts) keeps its mesh axes, and when those axes have
   N > 1 devices, the tokens travel to the devices holding their experts and back by all-to-all
@@ -46,6 +45,8 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
   before the region (e.g. `embed` over fsdp; its gradient is reduce-scattered back).
 
   Args:
+    layout: the run's sharding.Layout: its mesh, its token exchange ("padded" or "ragged";
+      XLA:CPU cannot run the ragged one) and whether the model runs in a pipeline stage.
     expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params, axes=ExpertAxes)
       -> [A, D]; rows are grouped by local expert in order, rows past sum(group_sizes) are
       padding (zeros, ignored).
@@ -56,7 +57,6 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
     param_names: logical names of each param (its first must be the experts' name).
     num_experts: E.
     partial_over: logical name of param dims whose split makes expert_fn's output partial.
-    exchange: "padded", "ragged" (XLA:CPU cannot run it) or "auto" (ragged on GPUs).
     check_vma: False when expert_fn runs a Pallas kernel, whose outputs shard_map's
       varying-axes check cannot type everywhere: the CPU interpreter re-evaluates the kernel on
       device-varying blocks (sharding/shard_map.py says why), and under the data-parallel
@@ -67,12 +67,9 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
   Returns:
     y [B, L, D] in x's dtype and sharding.
   """
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange={exchange!r} is not one of {EXCHANGES}")
-  ctx = active()
   static = dict(expert_fn=functools.partial(expert_fn, axes=ExpertAxes()),
                 num_experts=num_experts)
-  if ctx is None:
+  if layout.mesh is None:
     return _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_axes=(), partial_axes=(),
                        exchange="padded", **static)
 
@@ -85,13 +82,12 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
   partial_axes = tuple(sorted({a for s, names in zip(param_specs, param_names)
                                for entry, n in zip(s, names) if n == partial_over
                                for a in _axes(entry)}))
-  sizes = mesh_sizes(ctx.mesh)
+  sizes = mesh_sizes(layout.mesh)
   shards = math.prod(sizes[a] for a in expert_axes)
   if num_experts % shards:
     raise LayoutError(f"moe: {num_experts} experts cannot be split over"
                       f" {' x '.join(f'{a}={sizes[a]}' for a in expert_axes)}")
-  if exchange == "auto":
-    exchange = "padded" if ctx.mesh.devices.flat[0].platform == "cpu" else "ragged"
+  exchange = layout.exchange
   token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
   choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
   token_axes = {a for entry in token_spec for a in _axes(entry)}
@@ -103,20 +99,20 @@ def dropless_experts(expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax.Array,
                        partial_axes=partial_axes, exchange=exchange, **static)
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
-  if in_manual_region():
-    return _recomputed_in_backward(body, in_specs, token_spec, check_vma)(
+  if layout.in_pipeline_stage:
+    return _recomputed_in_backward(body, layout.stage_mesh(), in_specs, token_spec, check_vma)(
         x_BLD, ids_BLk, weights_BLk, *params)
-  mapped = jax.shard_map(body, mesh=ctx.mesh, in_specs=in_specs, out_specs=token_spec,
+  mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=token_spec,
                          check_vma=check_vma)
   return mapped(x_BLD, ids_BLk, weights_BLk, *params)
 
 
-def _recomputed_in_backward(body: Callable, in_specs, out_spec, check_vma: bool) -> Callable:
+def _recomputed_in_backward(body: Callable, mesh, in_specs, out_spec, check_vma: bool) -> Callable:
   """`body` under a shard_map nested in a pipeline stage's (which is manual over the pipeline
   axis), differentiated by a second shard_map that recomputes it: JAX's own differentiation of
   a nested shard_map names the residuals it keeps with the outer manual axis too, which Shardy
-  rejects ("manual axes come before free axes"). The arguments are the only residuals here."""
-  mesh = jax.sharding.get_abstract_mesh()
+  rejects ("manual axes come before free axes"). The arguments are the only residuals here.
+  `mesh`: the stage's abstract mesh (sharding.Layout.stage_mesh)."""
   forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                           check_vma=check_vma)
 

@@ -1,37 +1,46 @@
-"""The parallel layout of a run, resolved once: mesh sizes, ZeRO stage, sequence parallelism, the
-pipeline schedule, the batch split, the decisions that follow from them (vocabulary split,
-embedding-lookup mode) and every validation error. The trainer (`resolve`), `meshtron
-memory/plan` and the analytic model (`layout_of`, `parse`, `Layout`) all ask here.
+"""The layout of a run: one object, resolved once (sharding/resolution.py) and handed to whoever
+needs a decision. Its first fields are the parallel layout the planner ranks and `parse` reads:
+mesh sizes, ZeRO stage, sequence parallelism, the pipeline schedule, the batch split and remat.
+The rest are a run's decisions on its devices: the mesh, the logical rules, the platform, the
+attention and context kernels, the MoE kernels, the uneven pipeline split, and the region of the
+train step a model built with it runs in. Their defaults are one device's, so `Layout()` is a
+valid single-device layout; properties derive the rest (sequence axes, token split, gradient
+replicas) from the rules and sizes. Nothing here reads an ambient scope.
 
 Axis names are the mesh's (`data, pipeline, fsdp, expert, context, tensor`); the playbook's
 `dp=, tp=, pp=, cp=, ep=` are accepted as input aliases only.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
 
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
+from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig
 from sharding.pipeline import schedules, stage_split
-from sharding.scope import active, use_rules
-from sharding.context_parallel import load_balanced, ulysses_degree
-from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
                             parse_overrides, split_vocab_over_fsdp, with_overrides)
+from sharding.scope import active, use_rules
 
 REMATS = ("none", "selective", "full")
 # Input aliases (the playbook's names and short switch names) -> Layout fields.
 ALIASES = {"dp": "data", "pp": "pipeline", "ep": "expert", "cp": "context", "tp": "tensor",
            "zero": "zero_stage", "sp": "sequence_parallel", "schedule": "pipeline_schedule",
            "vpp": "virtual_stages", "mbs": "micro_batch", "ga": "microbatches"}
+# The switches a MeshConfig and a Layout share (besides the six sizes).
+MESH_SWITCHES = ("zero_stage", "sequence_parallel", "pipeline_schedule", "virtual_stages",
+                 "stage_layers", "vocab_over_fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """A parallel layout: one size per mesh axis, the switches that say how the axes are used, and
-  the batch split. `micro_batch` is the sequences each batch shard (data x fsdp x expert) takes
-  per microbatch; `microbatches` the gradient-accumulation steps."""
+  """A parallel layout and, once resolved on devices, every decision a run traces with.
+
+  `micro_batch` is the sequences each batch shard (data x fsdp x expert) takes per microbatch;
+  `microbatches` the gradient-accumulation steps.
+  """
 
   data: int = 1
   pipeline: int = 1
@@ -48,12 +57,32 @@ class Layout:
   microbatches: int = 1
   remat: str = "none"
   vocab_over_fsdp: str = "auto"  # the setting; `splits_vocab` decides
+  # ---- a run's decisions (sharding.resolve); the defaults are one device's ----
+  mesh: Mesh | None = None  # None: no mesh, every function runs as on one device
+  rules: Rules = DEFAULT_RULES
+  platform: str = "cpu"  # of the mesh's devices ("gpu" for a deviceless GPU target too)
+  attention: str = "xla"  # the attention kernel (kernels.attention.IMPLS, never "auto")
+  stage_attention: str = "xla"  # the kernel inside a pipeline stage
+  context_impl: str = "ring"  # context-parallel attention (sharding/context_parallel.py)
+  ulysses_degree: int = 0  # compute.ulysses_degree as configured (ulysses_ring's inner factor)
+  load_balanced: bool = True  # a split sequence in the zigzag order (else contiguous)
+  grouped_matmul: str = "ragged_dot"  # the dropless MoE's grouped matmul ("pallas" on GPUs)
+  exchange: str = "padded"  # the dropless MoE's token exchange ("ragged" on GPUs)
+  # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
+  # each stack stored padded to its largest position; () when every stack divides evenly.
+  stacks: tuple = ()
+  # The regions of the train step a model built with this layout runs in (`in_train_step`):
+  # a pipeline stage's shard_map, manual over `pipeline` (and the replicas' axes), and the
+  # data-parallel replicas' vmap of gradient accumulation (trainer/step.py).
+  in_pipeline_stage: bool = False
+  in_replica_vmap: bool = False
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in AXES}
 
   def stage_split(self, num_layers: int) -> tuple[int, ...]:
-    """Layers per pipeline position (sharding/pipeline/stage_split.py); () without pipeline stages."""
+    """Layers per pipeline position (sharding/pipeline/stage_split.py); () without pipeline
+    stages."""
     if self.pipeline == 1:
       return ()
     return stage_split.split(num_layers, self.pipeline * self.virtual_stages, self.stage_layers)
@@ -94,13 +123,114 @@ class Layout:
                              vocab=vocab, group_tokens=self.group_tokens(seq_len),
                              context=self.context)
 
-  def rules(self, vocab: int, seq_len: int, overrides: str = "") -> Rules:
+  def rules_for(self, vocab: int, seq_len: int, overrides: str = "") -> Rules:
     """The logical -> mesh rules of this layout: the default table with `overrides` (rows like
     "embed=fsdp+data"), then the layout's additions (sequence parallelism, vocab split, lookup)."""
     table = with_overrides(DEFAULT_RULES, parse_overrides(overrides))
     return layout_rules(table, sequence_parallel=self.sequence_parallel,
                         vocab_over_fsdp=self.splits_vocab(vocab, seq_len),
                         lookup_rows=self.moves_lookup_rows(vocab, seq_len))
+
+  # ---- decisions derived from the rules and sizes ----
+
+  def axes(self, name: str) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split logical dim `name` under this layout's rules."""
+    sizes = self.sizes()
+    return tuple(a for a in dict(self.rules).get(name, ()) if sizes[a] > 1)
+
+  @property
+  def sequence_axes(self) -> tuple[str, ...]:
+    """The mesh axes splitting the `seq` dim: context parallelism; () without it."""
+    return self.axes("seq")
+
+  @property
+  def sequence_parts(self) -> int:
+    """Devices one sequence is split over."""
+    return math.prod(self.sizes()[a] for a in self.sequence_axes)
+
+  @property
+  def tokens_split(self) -> bool:
+    """Whether a mesh axis splits the sequence of any activation: `seq` under context
+    parallelism, `res_seq` also under sequence parallelism. When none does, each device holds
+    whole sequences, so [B, L, ...] activations are [B·L, ...] token rows without moving data
+    (models/layers.Einsum uses that)."""
+    return bool(self.axes("seq") or self.axes("res_seq"))
+
+  @property
+  def pipeline_axis(self) -> str | None:
+    """The mesh axis splitting the `layers` dim into pipeline stages; None without stages."""
+    axes = self.axes("layers")
+    return axes[0] if axes else None
+
+  @property
+  def gradient_replica_axes(self) -> tuple[tuple[str, ...], int]:
+    """(axes, size) over which gradients are plain replicas: `data` unless ZeRO >= 2 shards the
+    gradients over it. Accumulating per-replica partial sums over microbatches and reducing them
+    once saves the per-microbatch gradient reductions that SPMD would otherwise emit."""
+    if self.data == 1 or self.zero_stage >= 2:
+      return (), 1
+    return ("data",), self.data
+
+  def stage_mesh(self):
+    """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis and
+    the gradient replicas' axes, sharding/pipeline/executor.py): what a shard_map nested in a
+    stage must name."""
+    manual = (self.pipeline_axis, *self.gradient_replica_axes[0])
+    return self.mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in manual})
+
+  # ---- views ----
+
+  def in_train_step(self) -> "Layout":
+    """This layout as the train step's model sees it: inside a pipeline stage when there are
+    stages, inside the replicas' vmap when it accumulates gradients over replicas."""
+    stages = self.pipeline > 1
+    return dataclasses.replace(
+        self, in_pipeline_stage=stages, attention=self.stage_attention if stages else
+        self.attention, in_replica_vmap=(not stages and self.microbatches > 1
+                                         and bool(self.gradient_replica_axes[0])))
+
+  def unsharded(self) -> "Layout":
+    """One device's layout with this one's platform and kernels (sampling: the parameters are
+    global arrays, jit places the rest)."""
+    return Layout(remat=self.remat, platform=self.platform, attention=self.attention,
+                  stage_attention=self.stage_attention, context_impl=self.context_impl,
+                  ulysses_degree=self.ulysses_degree, grouped_matmul=self.grouped_matmul)
+
+  def scope(self):
+    """The sharding scope of this layout (sharding.use_rules): what constrain() resolves in;
+    none without a mesh."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return use_rules(self.mesh, self.rules, self.zero_stage)
+
+  def bind(self, fn):
+    """`fn` running inside this layout's scope: `jax.jit(layout.bind(step))` traces the step with
+    its mesh and rules wherever it is called, outside any scope or inside another layout's.
+    Inside its own scope (e.g. one recording constraints) it runs as it is."""
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+      ctx = active()
+      if self.mesh is None or ctx is not None and (ctx.mesh, ctx.rules, ctx.zero_stage) == (
+          self.mesh, self.rules, self.zero_stage):
+        return fn(*args, **kwargs)
+      with self.scope():
+        return fn(*args, **kwargs)
+    return bound
+
+  @property
+  def vocab_split(self) -> bool:
+    """Whether the rules split the vocab dims over fsdp (`splits_vocab` decided it)."""
+    return "fsdp" in dict(self.rules).get("vocab", ())
+
+  @property
+  def lookup_rows(self) -> bool:
+    """Whether the embedding lookup moves token rows (`moves_lookup_rows` decided it)."""
+    return "fsdp" in dict(self.rules).get("lookup_embed", ())
+
+  def describe(self) -> str:
+    mesh = dict(self.mesh.shape) if self.mesh is not None else "one device"
+    return (f"mesh {mesh}, zero_stage {self.zero_stage}, sequence_parallel"
+            f" {self.sequence_parallel}, vocab_over_fsdp {self.vocab_split}")
 
   def string(self) -> str:
     """"data=4,tensor=8,zero=1,mbs=4,ga=16,remat=selective,sp=1,schedule=1f1b": the axes larger
@@ -117,11 +247,7 @@ class Layout:
 
   def mesh_config(self) -> MeshConfig:
     """The trainer's mesh config of this layout."""
-    return MeshConfig(**self.sizes(), zero_stage=self.zero_stage,
-                      sequence_parallel=self.sequence_parallel,
-                      vocab_over_fsdp=self.vocab_over_fsdp,
-                      pipeline_schedule=self.pipeline_schedule,
-                      virtual_stages=self.virtual_stages, stage_layers=self.stage_layers)
+    return MeshConfig(**self.sizes(), **{k: getattr(self, k) for k in MESH_SWITCHES})
 
 
 _INTS = (*AXES, "zero_stage", "virtual_stages", "micro_batch", "microbatches")
@@ -178,129 +304,3 @@ def check_switches(layout: Layout) -> None:
                                                                     *schedules.V_SHAPED):
     raise LayoutError(f"virtual_stages={layout.virtual_stages} needs the interleaved_1f1b"
                       " pipeline schedule")
-
-
-def layout_of(mesh: MeshConfig, num_devices: int, model, *, batch_size: int, seq_len: int,
-              microbatches: int = 1) -> Layout:
-  """The Layout of a mesh config on `num_devices` devices for `model` (a ModelConfig, read by
-  field names) and the batch, after every check that needs no compile: one-line LayoutErrors."""
-  sizes = resolve_sizes(mesh, num_devices)
-  shards = math.prod(sizes[a] for a in BATCH_AXES)
-  if batch_size % (shards * microbatches):
-    axes = " x ".join(f"{a}={sizes[a]}" for a in BATCH_AXES if sizes[a] > 1) or "1"
-    raise LayoutError(
-        f"batch_size={batch_size} is not divisible by the data-parallel size {shards} ({axes})"
-        f" x microbatches={microbatches}; each microbatch is split over the data-parallel"
-        " devices")
-  layout = Layout(**sizes, zero_stage=mesh.zero_stage,
-                  sequence_parallel=mesh.sequence_parallel,
-                  pipeline_schedule=mesh.pipeline_schedule, virtual_stages=mesh.virtual_stages,
-                  stage_layers=mesh.stage_layers,
-                  micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
-                  remat=model.remat, vocab_over_fsdp=mesh.vocab_over_fsdp)
-  _check_model_fits(layout, model, seq_len)
-  layout.splits_vocab(model.vocab_size, seq_len)  # a bad vocab_over_fsdp setting is an error
-  return layout
-
-
-def _check_model_fits(layout: Layout, model, seq_len: int) -> None:
-  stages = layout.pipeline
-  if layout.stage_layers and stages == 1:
-    raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
-                      " but pipeline=1: set pipeline > 1 or stage_layers=''")
-  if stages > 1:
-    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
-    # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
-    if layout.context > 1:
-      raise LayoutError("pipeline parallelism does not yet support context parallelism; use"
-                        " context=1 or pipeline=1")
-    if getattr(model, "attention_impl", "xla") == "pallas_flash":
-      raise LayoutError("model.attention_impl=pallas_flash does not yet run inside a pipeline"
-                        " stage; use attention_impl=auto (the reference there) or pipeline=1")
-    layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
-    schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
-                   layout.virtual_stages)  # the schedule's own checks, as one-line errors
-  if getattr(model, "collective_matmul", False) and layout.tensor > 1 \
-      and not layout.sequence_parallel:
-    raise LayoutError("model.collective_matmul decomposes sequence parallelism's all-gather and"
-                      " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
-  # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,
-  # into 1 in the contiguous order a sliding window or Ulysses runs with.
-  context, tensor = layout.context, layout.tensor
-  impl = getattr(model, "context_impl", "ring")
-  if context > 1:
-    _check_ulysses(impl, getattr(model, "ulysses_degree", 0), context, model.num_heads // tensor)
-  balanced = load_balanced(getattr(model, "sliding_window", 0), impl)
-  chunks = context * (2 if balanced and context > 1 else 1)
-  seq_split = math.lcm(chunks, context * (tensor if layout.sequence_parallel else 1))
-  if seq_len % seq_split:
-    needs = ([f"2 x context = {chunks}" if balanced else f"context = {chunks}"]
-             if context > 1 else []) + (
-        [f"context x tensor = {context * tensor} (sequence parallelism)"]
-        if layout.sequence_parallel else [])
-    raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
-
-
-def _check_ulysses(impl: str, degree: int, context: int, local_heads: int) -> None:
-  """Ulysses' all-to-all splits each tensor shard's query heads over its degree: the degree must
-  divide them (kv heads fewer than the degree are replicated, kernels/ulysses.py), and the
-  hybrid's degree must divide `context` (the ring takes the rest)."""
-  if impl == "ulysses" and degree not in (0, context):
-    raise LayoutError(f"model.ulysses_degree={degree} with context_impl=ulysses must be 0 or"
-                      f" context={context} (for a part of it, use context_impl=ulysses_ring)")
-  if impl == "ulysses_ring" and context % degree:
-    raise LayoutError(f"model.ulysses_degree={degree} does not divide context={context}"
-                      " (ulysses_ring: Ulysses over that inner factor, the ring over the rest)")
-  degree = ulysses_degree(impl, degree, context)
-  if local_heads % degree:
-    raise LayoutError(f"Ulysses degree {degree} must divide the query heads per tensor shard"
-                      f" (num_heads / tensor = {local_heads}); kv heads fewer than the degree"
-                      " are replicated, query heads cannot be: lower the degree or tensor")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunLayout:
-  """A Layout placed on devices: the mesh and the rules a train step runs with. `bind` ties a
-  function to them, so it traces the same program wherever it is called."""
-
-  layout: Layout
-  mesh: Mesh
-  rules: Rules
-  vocab_split: bool
-  lookup_rows: bool
-
-  def scope(self):
-    """The sharding scope of this layout (sharding.use_rules)."""
-    return use_rules(self.mesh, self.rules, self.layout.zero_stage)
-
-  def bind(self, fn):
-    """`fn` running inside this layout's context: `jax.jit(run_layout.bind(step))` traces the
-    step with its mesh and rules wherever it is called, outside any context or inside another
-    layout's. Inside its own context (e.g. one recording constraints) it runs as it is."""
-    @functools.wraps(fn)
-    def bound(*args, **kwargs):
-      ctx = active()
-      if ctx is not None and (ctx.mesh, ctx.rules, ctx.zero_stage) == (
-          self.mesh, self.rules, self.layout.zero_stage):
-        return fn(*args, **kwargs)
-      with self.scope():
-        return fn(*args, **kwargs)
-    return bound
-
-  def describe(self) -> str:
-    return (f"mesh {dict(self.mesh.shape)}, zero_stage {self.layout.zero_stage},"
-            f" sequence_parallel {self.layout.sequence_parallel},"
-            f" vocab_over_fsdp {self.vocab_split}")
-
-
-def resolve(mesh: MeshConfig, devices, model, *, batch_size: int, seq_len: int,
-            microbatches: int = 1, rule_overrides: str = "") -> RunLayout:
-  """The whole layout of a run on `devices`: validated (`layout_of`), the six-axis mesh, and the
-  rules with the layout's decisions applied."""
-  devices = list(devices)
-  layout = layout_of(mesh, len(devices), model, batch_size=batch_size, seq_len=seq_len,
-                     microbatches=microbatches)
-  return RunLayout(layout, make_mesh(mesh, devices),
-                   layout.rules(model.vocab_size, seq_len, rule_overrides),
-                   layout.splits_vocab(model.vocab_size, seq_len),
-                   layout.moves_lookup_rows(model.vocab_size, seq_len))

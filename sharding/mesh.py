@@ -144,3 +144,8 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
   across = tuple(factors[a] for a in AXES)
   grid = mesh_utils.create_hybrid_device_mesh(within, across, devices, process_is_granule=True)
   return Mesh(grid, AXES, axis_types=axis_types)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+  """{axis name: size} of a mesh."""
+  return dict(zip(mesh.axis_names, mesh.devices.shape))

@@ -7,8 +7,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharding.scope import current, is_names, mesh_sizes, spec
+from sharding.mesh import mesh_sizes
 from sharding.rules import logical_to_spec, role_rules
+from sharding.scope import is_names, spec
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -29,9 +30,9 @@ def _split(partition_spec, sizes: dict[str, int]) -> int:
   return pieces
 
 
-def param_rows(names_tree: Any, abstract_tree: Any, role: str = "params") -> list[Row]:
-  """One row per parameter in the current sharding scope (`role` picks the ZeRO view)."""
-  sizes = mesh_sizes(current().mesh)
+def param_rows(layout, names_tree: Any, abstract_tree: Any, role: str = "params") -> list[Row]:
+  """One row per parameter in the sharding scope of `layout` (`role` picks the ZeRO view)."""
+  sizes = mesh_sizes(layout.mesh)
   rows = []
   flat_names = jax.tree_util.tree_leaves_with_path(names_tree, is_leaf=is_names)
   for (path, names), leaf in zip(flat_names, jax.tree.leaves(abstract_tree)):
@@ -72,14 +73,13 @@ def replicated_fraction(rows: list[Row]) -> float:
   return whole / max(total, 1)
 
 
-def check_replication(rows: list[Row], max_fraction: float, reference_rules) -> None:
+def check_replication(layout, rows: list[Row], max_fraction: float, reference_rules) -> None:
   """Raises if more than `max_fraction` of the parameter bytes are whole on every device while
   `reference_rules` (the default table for this layout) would split them: a rule override that
   silently replicates (e.g. the MLP). Parameters replicated by design (norm scales; embedding
   and head across pipeline stages; everything under plain data parallelism) do not count."""
-  ctx = current()
-  sizes = mesh_sizes(ctx.mesh)
-  reference = role_rules(reference_rules, "params", ctx.zero_stage)
+  sizes = mesh_sizes(layout.mesh)
+  reference = role_rules(reference_rules, "params", layout.zero_stage)
   lost = [r for r in rows if r.bytes_per_device == r.total_bytes
           and _split(logical_to_spec(r.names, r.shape, sizes, reference, r.name), sizes) > 1]
   fraction = sum(r.total_bytes for r in lost) / max(sum(r.total_bytes for r in rows), 1)

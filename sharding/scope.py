@@ -1,5 +1,7 @@
-"""The one sharding scope (mesh, rules, ZeRO stage) and what reads it: constrain, shardings.
-("Context" names the context-parallel axis only.)"""
+"""The one sharding scope (mesh, rules, ZeRO stage) and what reads it: the logical names'
+resolution into PartitionSpecs, constrain() and shardings. It holds no decision of the layout
+(those are the Layout's fields, handed to whoever needs one); "context" names the context-parallel
+axis only."""
 
 import contextlib
 import contextvars
@@ -10,12 +12,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import (DEFAULT_RULES, ZERO_STAGE_OF_ROLE, Rules, logical_to_spec,
-                            role_rules)
+from sharding.mesh import mesh_sizes
+from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec, role_rules
 
 
 @dataclasses.dataclass(frozen=True)
-class _Context:
+class _Scope:
   mesh: Mesh
   rules: Rules
   zero_stage: int
@@ -23,14 +25,14 @@ class _Context:
   excluded: frozenset = frozenset()  # axes taken by an enclosing vmap(spmd_axis_name=...)
 
 
-_CURRENT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "meshtron_sharding", default=None)
 
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules: Rules = DEFAULT_RULES, zero_stage: int = 0):
   """Within this context, names resolve on `mesh` with `rules` (and the ZeRO stage's views)."""
-  token = _CURRENT.set(_Context(mesh, tuple(rules), zero_stage, None))
+  token = _CURRENT.set(_Scope(mesh, tuple(rules), zero_stage, None))
   try:
     yield
   finally:
@@ -49,48 +51,9 @@ def record_constraints():
     _CURRENT.reset(token)
 
 
-def active() -> _Context | None:
+def active() -> _Scope | None:
   """The open sharding scope, or None outside every `use_rules`."""
   return _CURRENT.get()
-
-
-def platform() -> str:
-  """The platform of the devices the current context's mesh holds ("gpu" for a deviceless GPU
-  target too), else JAX's default backend: what a kernel choice like attention "auto" needs."""
-  ctx = _CURRENT.get()
-  return ctx.mesh.devices.flat[0].platform if ctx is not None else jax.default_backend()
-
-
-def in_manual_region() -> bool:
-  """Whether tracing is inside a shard_map that is manual over some mesh axis (a pipeline
-  stage), where a further shard_map over the context's mesh cannot nest."""
-  abstract = jax.sharding.get_abstract_mesh()
-  return not abstract.empty and jax.sharding.AxisType.Manual in abstract.axis_types
-
-
-def axes_of(name: str) -> tuple[str, ...]:
-  """The mesh axes (size > 1) that split logical dim `name` in the current context, less those
-  an enclosing vmap has taken (`excluding`); () outside a context."""
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return ()
-  sizes = mesh_sizes(ctx.mesh)
-  return tuple(a for a in dict(ctx.rules).get(name, ()) if sizes[a] > 1 and a not in ctx.excluded)
-
-
-def gradient_replica_axes() -> tuple[tuple[str, ...], int]:
-  """(axes, size) over which gradients are plain replicas: `data` unless ZeRO >= 2 shards the
-  gradients over it. Accumulating per-replica partial sums over microbatches and reducing them
-  once saves the per-microbatch gradient reductions that SPMD would otherwise emit. No context:
-  no replicas."""
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return (), 1
-  sizes = mesh_sizes(ctx.mesh)
-  size = sizes["data"]
-  if size == 1 or ctx.zero_stage >= ZERO_STAGE_OF_ROLE["grads"]:
-    return (), 1
-  return ("data",), size
 
 
 @contextlib.contextmanager
@@ -107,16 +70,12 @@ def excluding(axes: tuple[str, ...]):
     _CURRENT.reset(token)
 
 
-def current() -> _Context:
+def current() -> _Scope:
   """The active context; raises if no `use_rules` context is open."""
   value = _CURRENT.get()
   if value is None:
     raise RuntimeError("no sharding scope: wrap the call in sharding.use_rules(mesh, rules)")
   return value
-
-
-def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-  return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
 def spec(names: Sequence[str | None], shape: Sequence[int], what: str = "array",

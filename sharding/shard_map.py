@@ -1,27 +1,29 @@
-"""Runs a per-device function under jax.shard_map with specs from logical names in the context."""
+"""Runs a per-device function under jax.shard_map on the layout's mesh, with specs from logical
+names."""
 
 from collections.abc import Callable, Sequence
 
 import jax
 
-from sharding.scope import active, mesh_sizes, spec
-from sharding.mesh import LayoutError
+from sharding.mesh import LayoutError, mesh_sizes
+from sharding.scope import spec
 
 Names = tuple[str | None, ...]
 
 
-def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names: Names, *,
-                      whole: Sequence[str] = (), what: str = "shard_map",
+def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], out_names: Names,
+                      *, whole: Sequence[str] = (), what: str = "shard_map",
                       check_vma_on_cpu: bool = True) -> Callable:
-  """Wraps `fn` (single-device semantics, e.g. a Pallas kernel XLA cannot partition) so that, in
-  a sharding scope, each device runs it on its own shards.
+  """Wraps `fn` (single-device semantics, e.g. a Pallas kernel XLA cannot partition) so that, on
+  the layout's mesh, each device runs it on its own shards.
 
-  Specs come from the logical names through the current rules (batch over the data axes, heads
-  over `tensor`, ...). `fn` must not communicate: dims it needs whole (`whole`, e.g. the sequence
-  for attention) are checked to be unsplit, and every other split dim must be independent. Outside
-  a sharding scope the wrapper just calls `fn`.
+  Specs come from the logical names through the rules of the sharding scope (batch over the data
+  axes, heads over `tensor`, ...). `fn` must not communicate: dims it needs whole (`whole`, e.g.
+  the sequence for attention) are checked to be unsplit, and every other split dim must be
+  independent. A layout without a mesh (one device) calls `fn` as it is.
 
   Args:
+    layout: the run's sharding.Layout (its mesh and platform).
     fn: the per-device function of positional array arguments (None arguments pass through).
     in_names: logical dim names per argument (None for an argument that is None).
     out_names: logical dim names of the single array output.
@@ -38,8 +40,7 @@ def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names:
     A function with `fn`'s signature.
   """
   def wrapped(*args):
-    ctx = active()
-    if ctx is None:
+    if layout.mesh is None:
       return fn(*args)
     if len(args) != len(in_names):
       raise ValueError(f"{what}: {len(args)} arguments but {len(in_names)} name tuples")
@@ -49,7 +50,7 @@ def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names:
       resolved = spec(names, shape, f"{what} {label}")
       for name, axes in zip(names, resolved):
         if name in whole and axes is not None:
-          sizes = mesh_sizes(ctx.mesh)
+          sizes = mesh_sizes(layout.mesh)
           axes = (axes,) if isinstance(axes, str) else axes
           split = " x ".join(f"{a}={sizes[a]}" for a in axes)
           raise LayoutError(
@@ -67,9 +68,8 @@ def shard_map_logical(fn: Callable, in_names: Sequence[Names | None], out_names:
         full[i] = a
       return fn(*full)
 
-    on_cpu = ctx.mesh.devices.flat[0].platform == "cpu"
-    mapped = jax.shard_map(per_device, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_spec,
-                           check_vma=check_vma_on_cpu or not on_cpu)
+    mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=in_specs, out_specs=out_spec,
+                           check_vma=check_vma_on_cpu or layout.platform != "cpu")
     return mapped(*(args[i] for i in present))
 
   return wrapped

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 import sharding
-from models import ModelConfig
+from models import ComputeConfig, ModelConfig
 from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
 from trainer.trainer import Trainer
@@ -16,10 +16,11 @@ from trainer.step import make_grads_fn
 # Every dim divides every mesh size up to 8: heads 16 / kv heads 8 (GQA), embed 32, mlp 64,
 # vocab 264 = 8 x 33; batch 32 = 8 data-parallel devices x 4 microbatches; seq 16 = tensor 8 x 2
 # for sequence parallelism.
+MODEL = ModelConfig(vocab_size=264, embed_dim=32, num_layers=2, num_heads=16, num_kv_heads=8,
+                    head_dim=8, mlp_dim=64)
 # attention_impl "xla", what "auto" runs on CPU, named: the analytic estimates these programs are
 # checked against then count the reference's [s, s] scores (the estimator takes "auto" as flash).
-MODEL = ModelConfig(vocab_size=264, embed_dim=32, num_layers=2, num_heads=16, num_kv_heads=8,
-                    head_dim=8, mlp_dim=64, attention_impl="xla")
+COMPUTE = ComputeConfig(attention_impl="xla")
 BATCH, SEQ, STEPS = 32, 16, 3
 OPTIM = OptimConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
 
@@ -34,11 +35,12 @@ class Result:
 
 
 def config(mesh_cfg: sharding.MeshConfig, *, microbatches: int = 1, remat: str = "none",
-           model: ModelConfig = MODEL, moe: MoEConfig | None = None) -> TrainConfig:
+           model: ModelConfig = MODEL, moe: MoEConfig | None = None,
+           compute: ComputeConfig = COMPUTE) -> TrainConfig:
   """The harness run's config; `moe` turns the model into an MoE (tests/test_moe_parallel.py)."""
-  cfg = TrainConfig(model=dataclasses.replace(model, remat=remat), mesh=mesh_cfg, optim=OPTIM,
-                    data=DataConfig(source="synthetic"), batch_size=BATCH, seq_len=SEQ,
-                    microbatches=microbatches, steps=STEPS)
+  cfg = TrainConfig(model=model, compute=dataclasses.replace(compute, remat=remat),
+                    mesh=mesh_cfg, optim=OPTIM, data=DataConfig(source="synthetic"),
+                    batch_size=BATCH, seq_len=SEQ, microbatches=microbatches, steps=STEPS)
   if moe is not None:
     cfg.model = dataclasses.replace(cfg.model, moe=moe)
     # Pure expert parallelism keeps the dense weights whole on every device by design (they
@@ -69,7 +71,8 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
   cfg = config(mesh_cfg, **kw)
   trainer = Trainer(cfg, devices)
   trainer.init_state()
-  grads_fn = make_grads_fn(trainer.graphdef, trainer.names, trainer.step_config)
+  grads_fn = make_grads_fn(trainer.step_graphdef, trainer.names, trainer.layout,
+                           trainer.step_config)
   # Uneven pipeline stages store the layer stack padded: compare the model's own rows.
   leaves = lambda params: [np.asarray(p) for p in
                            jax.tree.leaves(unstored(params, trainer.stage_layers))]

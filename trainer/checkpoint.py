@@ -141,10 +141,12 @@ class Checkpointer:
                             " resume from an earlier one") from None
 
   def restore(self, step: int, target_state, iterator, model_config: dict,
-              shared_data_state: bool = True, stage_layers: stage_split.StackSplit = ()):
+              shared_data_state: bool = True, stage_layers: stage_split.StackSplit = (),
+              fp8_config=None):
     """Restores `step` into the shardings of `target_state` (ShapeDtypeStructs with shardings:
     any layout or device count) and the iterator's position. Returns (state, meta, data_ok).
 
+    `fp8_config`: this run's compute.fp8 (the state's amax histories must be the checkpoint's).
     `stage_layers`: the target's uneven pipeline split (its layer stacks stored padded); a
     checkpoint written with another split (meta "stage_layers") is read with its stacks' rows
     whole over the pipeline axis and restacked into the target's.
@@ -160,13 +162,15 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(mismatched)};"
                             " use another --workdir or the checkpoint's model config")
-    written_fp8, wanted_fp8 = (_fp8_state(_as_dict(c.get("fp8"))) for c in (saved, model_config))
-    if "fp8" in saved and written_fp8 != wanted_fp8:
-      flags = " ".join(f"--config.model.fp8.{k}={v}" for k, v in saved["fp8"].items()
+    # fp8 settings: compute.fp8 (checkpoints written before it moved: model.fp8).
+    saved_fp8 = meta.get("config", {}).get("compute", {}).get("fp8", saved.get("fp8"))
+    written_fp8, wanted_fp8 = _fp8_state(saved_fp8), _fp8_state(_as_dict(fp8_config))
+    if saved_fp8 is not None and written_fp8 != wanted_fp8:
+      flags = " ".join(f"--config.compute.fp8.{k}={v}" for k, v in saved_fp8.items()
                        if k in ("enabled", "recipe", "amax_history", "targets"))
       raise CheckpointError(
-          f"checkpoint {path} holds {_fp8_words(written_fp8)}, this run's model.fp8 wants"
-          f" {_fp8_words(wanted_fp8)}: resume with the checkpoint's model.fp8 settings"
+          f"checkpoint {path} holds {_fp8_words(written_fp8)}, this run's compute.fp8 wants"
+          f" {_fp8_words(wanted_fp8)}: resume with the checkpoint's compute.fp8 settings"
           f" ({flags}), or start a new --workdir")
     written = stage_split.from_meta(meta.get("stage_layers"))
     target = target_state
@@ -213,7 +217,7 @@ def _as_dict(config) -> dict | None:
 
 
 def _fp8_state(fp8: dict | None) -> tuple:
-  """What of model.fp8 is in the train state: delayed scaling keeps an amax history per fp8
+  """What of compute.fp8 is in the train state: delayed scaling keeps an amax history per fp8
   projection as a parameter; the current-scaling recipes keep nothing."""
   if not fp8 or not fp8.get("enabled") or fp8.get("recipe", "delayed") != "delayed":
     return ()

@@ -41,9 +41,9 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
       "layout": f"zero_stage={cfg.mesh.zero_stage}, sequence_parallel="
                 f"{cfg.mesh.sequence_parallel}, vocab_over_fsdp={trainer.layout.vocab_split},"
                 f" microbatches={cfg.microbatches},"
-                f" remat={cfg.model.remat}",
+                f" remat={cfg.compute.remat}",
       "tokens per step": tokens,
-      **_stages(trainer.layout.layout, cfg.model.num_layers),
+      **_stages(trainer.layout, cfg.model.num_layers),
       "xla options": f"preset {cfg.xla_preset}"
                      f" ({presets.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
                      + (f" + {cfg.xla_options}" if cfg.xla_options else ""),

@@ -6,10 +6,10 @@ read-only by convention after `validate()`.
 
 import dataclasses
 
+from models.compute import ComputeConfig
 from models.config import ModelConfig
+from sharding import Layout, MeshConfig, layout_of
 from sharding.pipeline import schedules
-from sharding.layout import Layout, layout_of
-from sharding.mesh import MeshConfig
 from sharding.xla import presets
 from trainer import config_checks
 
@@ -37,37 +37,14 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """What the train step computes besides the model (trainer/step.py): the loss and how the
-  head meets it, gradient accumulation and its pipeline schedule, the update guard, and the
-  MoE routing losses and balancing rate. Built from a TrainConfig by `TrainConfig.step()`, or
-  for a bare model by `StepConfig.for_model`."""
+  """The train step's own settings (trainer/step.py), besides the model (its architecture and
+  how it is computed travel in its graph definition) and the layout (microbatches, pipeline
+  schedule and split): the z-loss, the update guard and the gradient-accumulation dtype. Built
+  from a TrainConfig by `TrainConfig.step()`."""
 
-  microbatches: int = 1
   z_loss: float = 0.0
   spike_factor: float = 0.0  # > 0: skip steps whose loss exceeds this x its running average
   grad_accum_dtype: str = "float32"
-  pipeline_schedule: str = "1f1b"
-  virtual_stages: int = 1
-  # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
-  # each stack stored padded to its max rows per position; () when every stack divides evenly.
-  stage_layers: tuple = ()
-  loss_impl: str = "dense"  # "dense" logits, or "chunked" head + loss (ModelConfig.loss_impl)
-  loss_chunk_size: int = 256
-  moe_balance_weight: float = 0.0  # MoEConfig.load_balance_loss
-  moe_z_weight: float = 0.0  # MoEConfig.router_z_loss
-  moe_bias_rate: float = 0.0  # MoEConfig.bias_update_rate (aux-loss-free balancing)
-  mtp_depth: int = 0  # ModelConfig.mtp_depth: the multi-token prediction modules run (0: none)
-  mtp_weight: float = 0.0  # ModelConfig.mtp_loss_weight
-
-  @classmethod
-  def for_model(cls, model: ModelConfig, **step) -> "StepConfig":
-    """The model's loss and MoE settings, plus the given step fields."""
-    moe = model.moe
-    return cls(loss_impl=model.loss_impl, loss_chunk_size=model.loss_chunk_size,
-               moe_balance_weight=moe.load_balance_loss if moe else 0.0,
-               moe_z_weight=moe.router_z_loss if moe else 0.0,
-               moe_bias_rate=moe.bias_update_rate if moe else 0.0,
-               mtp_depth=model.mtp_depth, mtp_weight=model.mtp_loss_weight, **step)
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -142,6 +119,8 @@ class TrainConfig:
   """A training run: model, mesh, optimizer, data and the loop's cadence."""
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  # How the model is computed: kernels, remat, fp8, loss chunking (not the architecture).
+  compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -194,6 +173,7 @@ class TrainConfig:
     """Raises ValueError with a one-line message naming the bad field and how to fix it: every
     number in its range and every path present (trainer/config_checks.py), every choice known."""
     self.model.validate()
+    self.compute.validate(self.model)
     self.optim.validate()
     config_checks.check_ranges(self)
     if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
@@ -221,16 +201,15 @@ class TrainConfig:
 
   def step(self) -> StepConfig:
     """The train step's own settings."""
-    return StepConfig.for_model(
-        self.model, microbatches=self.microbatches, z_loss=self.z_loss,
-        spike_factor=self.loss_spike_factor, grad_accum_dtype=self.grad_accum_dtype,
-        pipeline_schedule=self.mesh.pipeline_schedule, virtual_stages=self.mesh.virtual_stages)
+    return StepConfig(z_loss=self.z_loss, spike_factor=self.loss_spike_factor,
+                      grad_accum_dtype=self.grad_accum_dtype)
 
   def layout(self, num_devices: int) -> Layout:
-    """This run's parallel layout on `num_devices` devices (sharding.layout.layout_of): the
-    checks that need no compile, as one-line errors."""
-    return layout_of(self.mesh, num_devices, self.model, batch_size=self.batch_size,
-                     seq_len=self.seq_len, microbatches=self.microbatches)
+    """This run's parallel layout on `num_devices` devices (sharding.layout_of): the checks that
+    need no devices, as one-line errors."""
+    return layout_of(self.mesh, num_devices, self.model, self.compute,
+                     batch_size=self.batch_size, seq_len=self.seq_len,
+                     microbatches=self.microbatches)
 
 
 def parse_xla_options(text: str) -> dict:

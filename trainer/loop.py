@@ -189,8 +189,9 @@ def finish(trainer: Trainer, workdir: str, is_writer: bool) -> None:
     prompt = list(trainer.tokenizer.encode(cfg.sample_prompt))
     if trainer.tokenizer.bos_id is not None:
       prompt = [trainer.tokenizer.bos_id] + prompt
-    ids = sample.generate(trainer.graphdef, trainer.model_params(), prompt, cfg.sample_tokens,
-                          window=cfg.seq_len, temperature=cfg.sample_temperature, seed=cfg.seed)
+    ids = sample.generate(trainer.unsharded_graphdef(), trainer.model_params(), prompt,
+                          cfg.sample_tokens, window=cfg.seq_len,
+                          temperature=cfg.sample_temperature, seed=cfg.seed)
     if not is_writer:
       return
     text = cfg.sample_prompt + trainer.tokenizer.decode(ids)

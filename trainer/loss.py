@@ -39,20 +39,20 @@ def chunked_cross_entropy_sums(hidden_BLD, head_DV, targets_BL, mask_BL, z_loss:
       constrain_logits=lambda x: constrain(x, ("batch", "seq", "act_vocab")))
 
 
-def head_loss_sums(model, hidden_BLD, batch: dict, cfg):
+def head_loss_sums(model, hidden_BLD, batch: dict, z_loss: float = 0.0):
   """The model's output head over its final hidden states, and the summed loss: dense logits
-  (`cross_entropy_sums`) or, with cfg.loss_impl == "chunked", the head and loss over sequence
-  chunks (`chunked_cross_entropy_sums`). `cfg` is the step's StepConfig (z_loss, loss_impl,
-  loss_chunk_size); one function for the plain and the pipelined step."""
-  if cfg.loss_impl == "chunked":
+  (`cross_entropy_sums`) or, when the run computes it "chunked" (model.compute.loss_impl), the
+  head and loss over sequence chunks (`chunked_cross_entropy_sums`); one function for the plain
+  and the pipelined step."""
+  compute = model.compute
+  if compute.loss_impl == "chunked":
     return chunked_cross_entropy_sums(hidden_BLD, model.head_weights(), batch["targets"],
-                                      batch["loss_mask"], cfg.z_loss, cfg.loss_chunk_size)
+                                      batch["loss_mask"], z_loss, compute.loss_chunk_size)
   return cross_entropy_sums(model.logits(hidden_BLD), batch["targets"], batch["loss_mask"],
-                            cfg.z_loss)
+                            z_loss)
 
 
-def add_moe_losses(loss_sum, stats: dict, aux: dict, mask_BL, balance_weight: float,
-                   z_weight: float):
+def add_moe_losses(loss_sum, stats: dict, aux: dict, mask_BL, moe):
   """Adds the MoE router losses to a summed loss, and their sums and routing counts to stats.
 
   Both losses are sums over rows, like the next-token loss: each sequence's balance loss times
@@ -64,15 +64,14 @@ def add_moe_losses(loss_sum, stats: dict, aux: dict, mask_BL, balance_weight: fl
     stats: its stats (with "tokens").
     aux: the model's routing stats (models.moe.summarize).
     mask_BL: the loss mask.
-    balance_weight: weight of the load-balancing loss.
-    z_weight: weight of the router z-loss.
+    moe: the model's MoEConfig (the weights of the load-balancing loss and the router z-loss).
   Returns:
     (loss_sum, stats + {"moe_aux_sum", "moe_z_sum", "moe_dropped", "moe_load" [layers, E]}).
   """
   mask = mask_BL.astype(jnp.float32)
   aux_sum = jnp.sum(aux["aux_loss"] * jnp.sum(mask, axis=1))
   z_sum = jnp.sum(aux["z_loss"] * mask)
-  loss_sum = loss_sum + balance_weight * aux_sum + z_weight * z_sum
+  loss_sum = loss_sum + moe.load_balance_loss * aux_sum + moe.router_z_loss * z_sum
   counts = jax.lax.stop_gradient((aux["dropped"], aux["load"]))
   return loss_sum, dict(stats, moe_aux_sum=aux_sum, moe_z_sum=z_sum, moe_dropped=counts[0],
                         moe_load=counts[1])
@@ -119,7 +118,7 @@ def mtp_batch(batch: dict, depth: int) -> dict:
   return batch
 
 
-def add_mtp_losses(model, loss_sum, stats: dict, x_BLD, batch: dict, cfg):
+def add_mtp_losses(model, loss_sum, stats: dict, x_BLD, batch: dict, z_loss: float = 0.0):
   """Adds DeepSeek-V3's multi-token prediction loss: mtp_weight / D x the sum over depths k of
   depth k's summed cross-entropy (`head_loss_sums` over the model's shared head, z-loss
   included); divided like every sum by the batch's (main) tokens, this is the paper's
@@ -133,29 +132,29 @@ def add_mtp_losses(model, loss_sum, stats: dict, x_BLD, batch: dict, cfg):
     loss_sum, stats: the main loss and its stats.
     x_BLD: the last layer's output before the final norm.
     batch: with `mtp_batch`'s keys.
-    cfg: the StepConfig (mtp_depth, mtp_weight, loss settings, MoE weights).
+    z_loss: the step's z-loss weight.
   Returns:
     (loss_sum, stats + {"mtp_loss_sum": the unweighted sum over depths, "mtp_nll_sum" [D],
     "mtp_tokens" [D]; with MoE blocks "mtp_moe_aux_sum", "mtp_moe_z_sum", "mtp_moe_dropped",
     "mtp_moe_load" [D, E]}).
   """
+  cfg = model.config
   depths = range(1, cfg.mtp_depth + 1)
   heads, aux = model.mtp_hidden(x_BLD, [batch[f"mtp_inputs_{k}"] for k in depths],
                                 batch["positions"], batch["segment_ids"])
   sums, nll, tokens = [], [], []
   for k, hidden in zip(depths, heads):
     targets = {"targets": batch[f"mtp_targets_{k}"], "loss_mask": batch[f"mtp_mask_{k}"]}
-    depth_sum, depth_stats = head_loss_sums(model, hidden, targets, cfg)
+    depth_sum, depth_stats = head_loss_sums(model, hidden, targets, z_loss)
     sums.append(depth_sum)
     nll.append(depth_stats["nll_sum"])
     tokens.append(depth_stats["tokens"])
   mtp_sum = sum(sums)
-  loss_sum = loss_sum + cfg.mtp_weight / cfg.mtp_depth * mtp_sum
+  loss_sum = loss_sum + cfg.mtp_loss_weight / cfg.mtp_depth * mtp_sum
   stats = dict(stats, mtp_loss_sum=mtp_sum, mtp_nll_sum=jnp.stack(nll),
                mtp_tokens=jnp.stack(tokens))
   if aux:
-    loss_sum, moe = add_moe_losses(loss_sum, {}, aux, batch["loss_mask"],
-                                   cfg.moe_balance_weight, cfg.moe_z_weight)
+    loss_sum, moe = add_moe_losses(loss_sum, {}, aux, batch["loss_mask"], cfg.moe)
     stats.update({f"mtp_{name}": value for name, value in moe.items()})
   return loss_sum, stats
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sharding import Layout
 from sharding.pipeline import executor as pipeline, schedules, stage_split
 from trainer import loss
 from trainer.config import StepConfig
@@ -25,48 +26,50 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns
   def stage(shared, chunk, x, mb, present):
     """The chunk's layers; with MoE layers, their share of the router losses (each a sum over
     the model's layers / their count: the stages' shares add up to the one-device loss)."""
-    x, aux = model_of(shared, chunk).run_layers(x, mb["positions"], mb["segment_ids"], present)
+    model = model_of(shared, chunk)
+    x, aux = model.run_layers(x, mb["positions"], mb["segment_ids"], present)
     none = jnp.zeros((), jnp.float32)
     if not aux:
       return x, none, {}, {}
-    loss_sum, stats = loss.add_moe_losses(none, {}, aux, mb["loss_mask"],
-                                          cfg.moe_balance_weight, cfg.moe_z_weight)
+    loss_sum, stats = loss.add_moe_losses(none, {}, aux, mb["loss_mask"], model.config.moe)
     load = stats.pop("moe_load")
     return x, loss_sum, stats, {"moe_load": load}
 
   def last(shared, x, mb):
-    """Final norm, head and loss; with cfg.mtp_depth, the multi-token prediction modules (in
+    """Final norm, head and loss; with model.mtp_depth, the multi-token prediction modules (in
     `shared`) on x before the norm and their loss, as make_loss_sums adds them (the microbatch
     holds the shifted tokens, made in the natural order before the split)."""
     model = model_of(shared, placeholder())
-    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), mb, cfg)
-    if cfg.mtp_depth:
-      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x, mb, cfg)
+    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), mb, cfg.z_loss)
+    if model.config.mtp_depth:
+      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x, mb, cfg.z_loss)
     return loss_sum, stats
 
   return pipeline.StageFns(first, stage, last)
 
 
-def make_pipeline_grads_fn(graphdef, cfg: StepConfig, *, split_microbatches, is_fp8=None):
+def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_microbatches,
+                           is_fp8=None):
   """grads_fn(params, batch) -> (gradients summed over tokens, stats), the microbatches flowing
-  through the pipeline stages by `cfg.pipeline_schedule` (make_grads_fn normalizes them).
+  through the pipeline stages by the layout's schedule (make_grads_fn normalizes them).
+  `graphdef`: the model built for a pipeline stage (`layout.in_train_step()`).
   `is_fp8`: a bool per parameter, the fp8 amax histories, which combine by max. With MoE
   layers, stats["moe_load"] holds the experts' loads per stored row of `moe_layers` (padding
   rows: zeros)."""
 
   def grads_fn(params, batch):
-    stages = pipeline.pipeline_stages()
-    plan = schedules.make(cfg.pipeline_schedule, stages, cfg.microbatches, cfg.virtual_stages)
+    stages, virtual = layout.pipeline, layout.virtual_stages
+    plan = schedules.make(layout.pipeline_schedule, stages, layout.microbatches, virtual)
     stacks = {k: v for k, v in params.items() if k in stage_split.STACKS}
     shared = {k: v for k, v in params.items() if k not in stage_split.STACKS}
     chunk = jax.eval_shape(lambda l: jax.tree.map(
-        lambda w: w[: w.shape[0] // (stages * cfg.virtual_stages)], l), stacks)
-    micro = split_microbatches(batch, cfg.microbatches)
-    present = stage_split.present_rows(cfg.stage_layers)
+        lambda w: w[: w.shape[0] // (stages * virtual)], l), stacks)
+    micro = split_microbatches(batch, layout.microbatches)
+    present = stage_split.present_rows(layout.stacks)
     by_max = None if is_fp8 is None else (
         {k: is_fp8[k] for k in stacks}, {k: v for k, v in is_fp8.items() if k in shared})
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
-        stage_fns(graphdef, cfg, chunk), plan, stacks, shared, micro, present, by_max)
+        layout, stage_fns(graphdef, cfg, chunk), plan, stacks, shared, micro, present, by_max)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

@@ -182,7 +182,7 @@ def train_config(model: str, layout: sharding.layout.Layout, seq: int):
   cfg = _preset_module(model).large(model)
   cfg.mesh = layout.mesh_config()
   cfg.seq_len, cfg.batch_size, cfg.microbatches = seq, layout.global_batch, layout.microbatches
-  cfg.model = dataclasses.replace(cfg.model, remat=layout.remat)
+  cfg.compute = dataclasses.replace(cfg.compute, remat=layout.remat)
   return cfg
 
 
@@ -206,7 +206,7 @@ def get_config():
   cfg.seq_len = {seq}
   cfg.batch_size = {layout.global_batch}  # sequences per step: mbs x ga x data x fsdp x expert
   cfg.microbatches = {layout.microbatches}
-  cfg.model.remat = {layout.remat!r}
+  cfg.compute.remat = {layout.remat!r}
   return cfg
 '''
   with open(path, "w") as f:

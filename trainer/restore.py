@@ -35,7 +35,7 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
                         trainer.abstract_state, trainer.shardings)
   state, saved, data_ok = source.restore(step, target, train_iter, dataclasses.asdict(cfg.model),
                                          not cfg.data.shard_documents_by_process,
-                                         trainer.stage_layers)
+                                         trainer.stage_layers, fp8_config=cfg.compute.fp8)
   if source is not ckpt:
     source.close()
   trainer.state = state

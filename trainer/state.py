@@ -10,6 +10,7 @@ from flax import struct
 import sharding
 from sharding.pipeline import stage_split
 from models.builder import init_params
+from models.compute import ComputeConfig
 from models.config import ModelConfig
 
 
@@ -36,12 +37,14 @@ def fresh_state(params, tx: optax.GradientTransformation, seed: int) -> TrainSta
 
 
 def make_init_fn(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-                 stage_layers: stage_split.StackSplit = ()):
+                 stage_layers: stage_split.StackSplit = (), compute: ComputeConfig | None = None):
   """A pure function () -> TrainState for jax.eval_shape and jit(out_shardings=...): random
-  parameters (trainer/convert.py starts from Hugging Face weights with `fresh_state` instead),
-  the layer stacks padded for uneven pipeline stages (the same draws as unpadded)."""
+  parameters (trainer/hf_init.py starts from Hugging Face weights with `fresh_state` instead),
+  the layer stacks padded for uneven pipeline stages (the same draws as unpadded); `compute`
+  decides the fp8 state among them."""
   def init() -> TrainState:
-    return fresh_state(stored(init_params(model_cfg, _keys(seed)[0]), stage_layers), tx, seed)
+    params = init_params(model_cfg, _keys(seed)[0], compute)
+    return fresh_state(stored(params, stage_layers), tx, seed)
   return init
 
 

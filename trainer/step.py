@@ -8,9 +8,8 @@ import optax
 from flax import nnx
 
 from models.fp8.weights import attach as fp8_attach, quantize_weights
-from sharding import constrain, constrain_tree, excluding, gradient_replica_axes, zigzag
+from sharding import Layout, constrain, constrain_tree, excluding, zigzag
 from sharding.pipeline import stage_split
-from sharding.pipeline.executor import pipeline_stages
 from trainer import loss
 from trainer.config import StepConfig
 from trainer.loss import moe_metrics, mtp_metrics
@@ -21,13 +20,13 @@ from trainer.state import TrainState
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
-def make_loss_sums(graphdef, cfg: StepConfig):
+def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True):
   """loss_sums(params, batch) -> (loss_sum, stats): the model's final hidden states through the
-  head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses and, with
-  cfg.mtp_depth, the multi-token prediction loss (trainer.loss.add_mtp_losses; the batch gets
-  its shifted targets here unless the caller added them before reordering the sequence)."""
+  head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses and, when the model
+  has them and `mtp`, the multi-token prediction loss (trainer.loss.add_mtp_losses; the batch
+  gets its shifted targets here unless the caller added them before reordering the sequence)."""
   # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
-  present = stage_split.present_rows(cfg.stage_layers, flat=True)
+  present = stage_split.present_rows(layout.stacks, flat=True)
 
   def loss_sums(params, batch, fp8_weights=None):
     model = nnx.merge(graphdef, params)
@@ -35,13 +34,14 @@ def make_loss_sums(graphdef, cfg: StepConfig):
       fp8_attach(model, fp8_weights)
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
                               batch["segment_ids"], present)
-    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg)
+    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg.z_loss)
     if aux:  # MoE layers: router losses join the loss, routing counts the stats
       loss_sum, stats = loss.add_moe_losses(loss_sum, stats, aux, batch["loss_mask"],
-                                            cfg.moe_balance_weight, cfg.moe_z_weight)
-    if cfg.mtp_depth:  # multi-token prediction, from the last layer's output before the norm
+                                            model.config.moe)
+    depth = model.config.mtp_depth
+    if depth and mtp:  # multi-token prediction, from the last layer's output before the norm
       loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x,
-                                            loss.mtp_batch(batch, cfg.mtp_depth), cfg)
+                                            loss.mtp_batch(batch, depth), cfg.z_loss)
     return loss_sum, dict(stats, loss_sum=loss_sum)
   return loss_sums
 
@@ -55,11 +55,12 @@ def split_microbatches(batch: dict, n: int) -> dict:
   return {k: split(v) for k, v in batch.items()}
 
 
-def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
+def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig()):
   """Returns grads_fn(params, batch) -> (mean gradients, summed stats).
 
-  With the layer stack split over pipeline stages, the microbatches flow through the stages by
-  `cfg.pipeline_schedule` instead (trainer/pipeline_step.py); the result is the same.
+  `graphdef`: the model built for the train step's regions (`layout.in_train_step()`). With the
+  layer stack split over pipeline stages, the microbatches flow through the stages by the
+  layout's pipeline schedule instead (trainer/pipeline_step.py); the result is the same.
 
   Gradients are sums over tokens accumulated over a `lax.scan` of microbatches, then divided by
   the batch's token count: N microbatches give the gradient of one batch of N times the size.
@@ -69,7 +70,7 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
   Tensorwise and delayed fp8 weights are quantized once, before the microbatches
   (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
   """
-  grad_fn = jax.grad(make_loss_sums(graphdef, cfg), has_aux=True)
+  grad_fn = jax.grad(make_loss_sums(graphdef, layout, cfg), has_aux=True)
   state = NonGradient(names)
   accum_dtype = jnp.dtype(cfg.grad_accum_dtype)
 
@@ -80,36 +81,37 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
   def replica_grads(params, micro, fp8_weights):
     """Per-replica partial sums [R, ...]: each data-parallel replica differentiates its own rows
     and keeps the result, so accumulation needs no communication (R = 1 without replicas)."""
-    axes, replicas = gradient_replica_axes()
+    axes, replicas = layout.gradient_replica_axes
     per_replica = {k: v.reshape(replicas, v.shape[0] // replicas, *v.shape[1:])
                    for k, v in micro.items()}
     with excluding(axes):
       return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None), spmd_axis_name=axes or None)(
           params, per_replica, fp8_weights)
 
-  pipelined = make_pipeline_grads_fn(graphdef, cfg, split_microbatches=split_microbatches,
-                                     is_fp8=state.is_fp8)
+  pipelined = make_pipeline_grads_fn(graphdef, layout, cfg,
+                                     split_microbatches=split_microbatches, is_fp8=state.is_fp8)
 
   def grads_fn(params, batch):
-    batch = loss.mtp_batch(batch, cfg.mtp_depth)  # MTP's shifted targets: in the natural order
+    model = nnx.merge(graphdef, params)
+    # MTP's shifted targets: in the natural order.
+    batch = loss.mtp_batch(batch, model.config.mtp_depth)
     # The sequence order under context parallelism: load-balanced, or contiguous with a sliding
     # window or Ulysses (sharding.context_parallel.load_balanced); unchanged without it. The
-    # model's attention reads the same window and impl, so it knows which order it gets.
-    model = nnx.merge(graphdef, params)
-    batch = zigzag(batch, model.config.sliding_window, model.config.context_impl)
-    if pipeline_stages() > 1:  # the one place a layout changes the computation's structure
+    # model's attention reads the same decision from the layout, so it knows which order it gets.
+    batch = zigzag(batch, layout)
+    if layout.pipeline > 1:  # the one place a layout changes the computation's structure
       grads, stats = pipelined(params, batch)
       grads = state.normalize(grads, jnp.maximum(stats["tokens"], 1.0))
       return constrain_tree(grads, names, "grads"), stats
     fp8_weights = quantize_weights(model)
-    if cfg.microbatches == 1:
+    if layout.microbatches == 1:
       grads, stats = sharded_grad_fn(params, batch, fp8_weights)
     else:
       def accumulate(carry, micro):
         grads, stats = replica_grads(params, micro, fp8_weights)
         return (state.combine(carry[0], grads), jax.tree.map(jnp.add, carry[1], stats)), None
 
-      micro = split_microbatches(batch, cfg.microbatches)
+      micro = split_microbatches(batch, layout.microbatches)
       first = jax.tree.map(lambda x: x[0], micro)
       shapes, stat_shapes = jax.eval_shape(replica_grads, params, first, fp8_weights)
       zeros = (state.zeros(shapes, accum_dtype), jax.tree.map(jnp.zeros_like, stat_shapes))
@@ -124,19 +126,21 @@ def make_grads_fn(graphdef, names, cfg: StepConfig = StepConfig()):
 
 
 def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedule,
-                    cfg: StepConfig = StepConfig()):
+                    layout: Layout, cfg: StepConfig = StepConfig()):
   """Returns train_step(state, batch) -> (state, metrics), pure, to be jitted once (the trainer
-  jits it bound to its layout: sharding.RunLayout.bind).
+  jits it bound to its layout's scope: sharding.Layout.bind). `graphdef`: the model built for the
+  train step's regions (`layout.in_train_step()`).
 
   Guard: when the loss or the gradient norm is not finite (or, with cfg.spike_factor > 0, the
   loss exceeds spike_factor x its running average), the update is not applied: parameters and
   optimizer state stay exactly as they were, `metrics["skipped"]` is 1, and the loop decides
   whether to stop. NaNs therefore never enter the state, nor any checkpoint.
   """
-  grads_fn = make_grads_fn(graphdef, names, cfg)
-  extra = NonGradient(names, cfg.moe_bias_rate)
+  grads_fn = make_grads_fn(graphdef, names, layout, cfg)
 
   def train_step(state: TrainState, batch: dict):
+    model_cfg = nnx.merge(graphdef, state.params).config
+    extra = NonGradient(names, model_cfg.moe.bias_update_rate if model_cfg.moe else 0.0)
     grads, stats = grads_fn(state.params, batch)
     tokens = jnp.maximum(stats["tokens"], 1.0)
     # fp8 histories: out of the gradients (norm, clipping, optimizer), then written in below.
@@ -164,7 +168,7 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
     if "moe_load" in stats:
       metrics.update(moe_metrics(stats, tokens))
     if "mtp_loss_sum" in stats:
-      metrics.update(mtp_metrics(stats, tokens, cfg.mtp_weight))
+      metrics.update(mtp_metrics(stats, tokens, model_cfg.mtp_loss_weight))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_ema=loss_ema)
     return new_state, metrics
@@ -172,10 +176,10 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
   return train_step
 
 
-def make_eval_step(graphdef, cfg: StepConfig = StepConfig()):
+def make_eval_step(graphdef, layout: Layout, cfg: StepConfig = StepConfig()):
   """Returns eval_step(params, batch) -> {"nll_sum", "tokens"} (sums, to average over batches)."""
   # The main model's loss only: no z-loss, no multi-token prediction.
-  loss_sums = make_loss_sums(graphdef, dataclasses.replace(cfg, z_loss=0.0, mtp_depth=0))
+  loss_sums = make_loss_sums(graphdef, layout, dataclasses.replace(cfg, z_loss=0.0), mtp=False)
 
   def eval_step(params, batch):
     _, stats = loss_sums(params, batch)

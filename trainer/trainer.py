@@ -7,10 +7,8 @@ import time
 import jax
 
 import sharding
-from kernels.attention import resolve as resolve_attention
 from models import abstract_model, param_names
 from sharding import report
-from sharding.pipeline import stage_split
 from sharding.plan import estimate
 from sharding.xla import compiled, presets
 from trainer import data
@@ -35,26 +33,30 @@ class Trainer:
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is"
                        f" {cfg.model.vocab_size}; set --config.model.vocab_size to at least that")
-    # The whole layout, resolved once (sharding/layout.py): mesh, rules and their decisions.
+    # The whole layout, resolved once (sharding/resolution.py): the mesh, the rules and every
+    # decision the traced programs read from it; handed to the model and the step explicitly.
     self.layout = sharding.resolve(cfg.mesh, jax.devices() if devices is None else devices,
-                                   cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                   microbatches=cfg.microbatches,
+                                   cfg.model, cfg.compute, batch_size=cfg.batch_size,
+                                   seq_len=cfg.seq_len, microbatches=cfg.microbatches,
                                    rule_overrides=cfg.sharding_rules)
     self.mesh, self.rules = self.layout.mesh, self.layout.rules
     with self.scope():
-      self.graphdef, _ = abstract_model(cfg.model)
-      self.names = param_names(cfg.model)
+      # The model as the eval step runs it, and as the train step does (inside its pipeline
+      # stages or its replicas' vmap: sharding.Layout.in_train_step).
+      self.graphdef, _ = abstract_model(cfg.model, cfg.compute, self.layout)
+      step_layout = self.layout.in_train_step()
+      self.step_graphdef = self.graphdef if step_layout == self.layout else abstract_model(
+          cfg.model, cfg.compute, step_layout)[0]
+      self.names = param_names(cfg.model, cfg.compute)
       self.tx, self.lr = make_optimizer(cfg.optim, self.names, cfg.steps)
       # Uneven pipeline stages: the layer stacks are stored padded per stage (stage_split.py).
-      split = self.layout.layout.stage_split(cfg.model.num_layers)
-      self.stage_layers = stage_split.stack_split(split, cfg.model.dense_layers()) \
-          if split else ()
-      self.step_config = dataclasses.replace(cfg.step(), stage_layers=self.stage_layers)
-      self._init = make_init_fn(cfg.model, self.tx, cfg.seed, self.stage_layers)
+      self.stage_layers = self.layout.stacks
+      self.step_config = cfg.step()
+      self._init = make_init_fn(cfg.model, self.tx, cfg.seed, self.stage_layers, cfg.compute)
       self.abstract_state = jax.eval_shape(self._init)
-      self.param_rows = report.param_rows(self.names, self.abstract_state.params)
-      report.check_replication(self.param_rows, cfg.max_replicated_fraction,
-                               self.layout.layout.rules(cfg.model.vocab_size, cfg.seq_len))
+      self.param_rows = report.param_rows(self.layout, self.names, self.abstract_state.params)
+      report.check_replication(self.layout, self.param_rows, cfg.max_replicated_fraction,
+                               self.layout.rules_for(cfg.model.vocab_size, cfg.seq_len))
       self.shardings = state_shardings(self.abstract_state, self.names, self.tx)
       shape = (cfg.batch_size, cfg.seq_len)
       self.batch_sharding = {
@@ -63,12 +65,13 @@ class Trainer:
       options = presets.check_options(  # fails at start-up, not deep in a run
           compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
       # Bound to the layout: whoever traces them, they trace with this mesh and these rules.
-      self.step_fn = self.layout.bind(make_train_step(self.graphdef, self.names, self.tx,
-                                                      self.lr, self.step_config))
+      self.step_fn = self.layout.bind(make_train_step(self.step_graphdef, self.names, self.tx,
+                                                      self.lr, self.layout, self.step_config))
       self.train_step = jax.jit(self.step_fn, in_shardings=(self.shardings, self.batch_sharding),
                                 out_shardings=(self.shardings, replicated), donate_argnums=0,
                                 compiler_options=options or None)
-      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, self.step_config)),
+      self.eval_step = jax.jit(self.layout.bind(make_eval_step(self.graphdef, self.layout,
+                                                               self.step_config)),
                                in_shardings=(self.shardings.params, self.batch_sharding),
                                out_shardings=replicated)
     self.state = None
@@ -89,7 +92,7 @@ class Trainer:
           f"the compiled train step needs {rep.memory['peak'] / 2**30:.2f} GiB per device (peak:"
           f" arguments {rep.memory['argument'] / 2**30:.2f}, temporaries"
           f" {rep.memory['temp'] / 2**30:.2f}) but {where} {limit / 2**30:.2f} GiB; shard"
-          " more (fsdp, tensor, zero_stage), recompute more (model.remat) or shrink the batch")
+          " more (fsdp, tensor, zero_stage), recompute more (compute.remat) or shrink the batch")
     return rep
 
   def memory_limit(self) -> tuple[int, str]:
@@ -116,16 +119,15 @@ class Trainer:
     cfg = self.cfg
     precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype,
                                            cfg.grad_accum_dtype)
-    layout = cfg.layout(self.mesh.devices.size)
     # The attention this platform runs ("auto" is the XLA reference here, with its [s, s] scores).
-    model = dataclasses.replace(cfg.model, attention_impl=resolve_attention(
-        cfg.model.attention_impl, self.mesh.devices.flat[0].platform))
-    need = estimate.memory(model, layout, cfg.seq_len, precision, workspace_bytes=0).total
+    model = estimate.model_spec(cfg.model, dataclasses.replace(
+        cfg.compute, attention_impl=self.layout.attention))
+    need = estimate.memory(model, self.layout, cfg.seq_len, precision, workspace_bytes=0).total
     if need > limit:
       raise ValueError(
           f"the train step needs about {need / 2**30:.2f} GiB per device (analytic estimate) but"
           f" {where} {limit / 2**30:.2f} GiB; shard more (fsdp, tensor, zero_stage), recompute"
-          " more (model.remat) or shrink the batch")
+          " more (compute.remat) or shrink the batch")
 
   def init_state(self) -> None:
     """Creates the train state sharded from the start (no unsharded copy ever exists)."""
@@ -140,6 +142,11 @@ class Trainer:
     return {k: jax.ShapeDtypeStruct((self.cfg.batch_size, self.cfg.seq_len),
                                     "float32" if k == "loss_mask" else "int32", sharding=sh)
             for k, sh in self.batch_sharding.items()}
+
+  def unsharded_graphdef(self):
+    """The model as one device runs it, with this layout's kernels (sampling: the parameters
+    are global arrays and jit places the rest)."""
+    return abstract_model(self.cfg.model, self.cfg.compute, self.layout.unsharded())[0]
 
   def sharding_report(self) -> str:
     """Every parameter (shape, logical names, spec, bytes per device) and every activation

@@ -1,5 +1,5 @@
-"""Fp8Config: which matmuls run in fp8 with which scaling recipe, and the checks that tie it to the
-rest of the architecture (re-exported by models.config, where ModelConfig.validate calls them)."""
+"""Fp8Config: which matmuls run in fp8 with which scaling recipe (TrainConfig.compute.fp8), and its
+own checks (models/compute.py ties it to the rest of the run)."""
 
 import dataclasses
 
@@ -40,38 +40,25 @@ class Fp8Config:
   def validate(self) -> None:
     """Raises ValueError with a one-line message for a bad fp8 setting."""
     if self.recipe not in FP8_RECIPES:
-      raise ValueError(f"model.fp8.recipe={self.recipe!r} is not one of {FP8_RECIPES}")
+      raise ValueError(f"compute.fp8.recipe={self.recipe!r} is not one of {FP8_RECIPES}")
     if self.amax_history <= 0 or self.margin < 0:
-      raise ValueError(f"model.fp8.amax_history must be positive and model.fp8.margin >= 0, got"
-                       f" {self.amax_history} and {self.margin}")
+      raise ValueError(f"compute.fp8.amax_history must be positive and compute.fp8.margin >= 0,"
+                       f" got {self.amax_history} and {self.margin}")
     if self.margin and self.recipe != "delayed":
-      raise ValueError(f"model.fp8.margin={self.margin} is the delayed recipe's headroom;"
+      raise ValueError(f"compute.fp8.margin={self.margin} is the delayed recipe's headroom;"
                        f" recipe {self.recipe!r} scales by the current amax: set it to 0")
     unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
     if unknown:
-      raise ValueError(f"model.fp8.targets={self.targets!r} names {unknown}, not in {FP8_TARGETS}")
+      raise ValueError(f"compute.fp8.targets={self.targets!r} names {unknown}, not in"
+                       f" {FP8_TARGETS}")
 
   def check_dropless_experts(self, moe) -> None:
     """ValueError (one line) when the experts would run fp8 under the dropless dispatch with a
     recipe its grouped GEMMs do not take."""
     if moe is not None and moe.dispatch == "dropless" and self.applies_to("experts") and \
         self.recipe not in GROUPED_RECIPES:
-      raise ValueError(f"model.fp8.recipe={self.recipe!r} does not run the MoE experts under"
+      raise ValueError(f"compute.fp8.recipe={self.recipe!r} does not run the MoE experts under"
                        f" model.moe.dispatch='dropless' (their grouped GEMMs take"
-                       f" {GROUPED_RECIPES}): set model.fp8.recipe to one of those,"
-                       " model.moe.dispatch='dropping', or drop 'experts' from model.fp8.targets")
-
-  def check_model(self, model) -> None:
-    """The fp8 settings against the rest of the ModelConfig `model` (one-line ValueErrors)."""
-    self.validate()
-    if model.collective_matmul and self.applies_to("mlp"):
-      raise ValueError("model.collective_matmul runs the MLP matmuls itself, not in fp8: drop"
-                       " 'mlp' from model.fp8.targets or set model.collective_matmul=false")
-    if self.applies_to("head") and (model.tie_embeddings or model.loss_impl == "chunked"):
-      raise ValueError("model.fp8.targets includes 'head', which needs an untied head and"
-                       " model.loss_impl='dense'")
-    if model.mtp_depth and self.applies_to("head") and self.recipe == "delayed":
-      raise ValueError("model.fp8.targets includes 'head', whose delayed amax history one use"
-                       " updates, but the multi-token prediction modules share it: drop 'head',"
-                       " use a current-scaling model.fp8.recipe, or set model.mtp_depth=0")
-    self.check_dropless_experts(model.moe)
+                       f" {GROUPED_RECIPES}): set compute.fp8.recipe to one of those,"
+                       " model.moe.dispatch='dropping', or drop 'experts' from"
+                       " compute.fp8.targets")

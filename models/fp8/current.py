@@ -87,7 +87,7 @@ def _expand(array: jax.Array, spec: str, target: str) -> jax.Array:
 def _block(gemm: Gemm, letters: str, size: int) -> int:
   block = min(BLOCK, size)
   if size % block:
-    raise ValueError(f"model.fp8.recipe='blockwise' blocks dims {letters!r} of {gemm.eqn!r}"
+    raise ValueError(f"compute.fp8.recipe='blockwise' blocks dims {letters!r} of {gemm.eqn!r}"
                      f" ({size} elements) by {BLOCK}: make their size at most {BLOCK} or a"
                      f" multiple of {BLOCK}")
   return block
@@ -107,7 +107,7 @@ def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
     scale = scale_from_amax(jnp.max(jnp.abs(t), axis=axes), dtype)
     return Quantized(quantize(t, _expand(scale, others, spec), dtype), spec, scale, others)
   if recipe != "blockwise":
-    raise ValueError(f"model.fp8.recipe={recipe!r} is not one of {RECIPES}")
+    raise ValueError(f"compute.fp8.recipe={recipe!r} is not one of {RECIPES}")
   # Blockwise: [batch..., free..., contracted...] with the contraction flattened into blocks.
   batch = "".join(c for c in others if c in gemm.batch)
   free = "".join(c for c in others if c not in batch)

@@ -2,7 +2,6 @@
 the pipeline axis, with ppermute between stages and a manual backward (jax.vjp)."""
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.pipeline import schedules as sched
-from sharding.scope import active, axes_of, current, excluding, gradient_replica_axes, mesh_sizes
+from sharding.scope import excluding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,17 +33,6 @@ class StageFns:
   last: Callable
 
 
-def pipeline_axes() -> tuple[str, ...]:
-  """Mesh axes (size > 1) splitting the `layers` dim: the pipeline stages; () without them."""
-  return axes_of("layers")
-
-
-def pipeline_stages() -> int:
-  """How many pipeline stages the current layout has (1: no pipeline parallelism)."""
-  ctx = active()
-  return 1 if ctx is None else math.prod(mesh_sizes(ctx.mesh)[a] for a in pipeline_axes())
-
-
 def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
   """Device s holds the chunks at its positions (interleaved: s, s+S, ...; the V: s and
   2S-1-s); storage keeps model order, so the chunks are permuted into device order for the step
@@ -53,11 +41,12 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
                       for c in range(schedule.virtual)])
 
 
-def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
+def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
                    present: dict | None = None, by_max=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
+    layout: the run's sharding.Layout: its mesh, pipeline axis and gradient replica axes.
     fns: the model's pieces.
     schedule: from sharding.pipeline.schedules.make (stages = pipeline size).
     layers: {stack: stacked layer weights [L, ...]}, each L divisible by stages x virtual.
@@ -73,10 +62,10 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
     storage order), summed over microbatches.
   """
-  axis = pipeline_axes()[0]
+  axis = layout.pipeline_axis
   # Data-parallel replicas are manual too: each differentiates its rows of every microbatch and
   # keeps its gradient sums, reduced once after the schedule (not once per tick and weight).
-  replica_axes, _ = gradient_replica_axes()
+  replica_axes, _ = layout.gradient_replica_axes
   batch_spec = PartitionSpec(None, replica_axes or None)  # [M, b, ...]: rows over the replicas
   stages, virtual = schedule.stages, schedule.virtual
   order = _chunk_order(schedule)
@@ -94,7 +83,7 @@ def pipeline_grads(fns: StageFns, schedule: sched.Schedule, layers, shared, data
 
   specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
-      per_device, mesh=current().mesh, axis_names={axis, *replica_axes},
+      per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
       in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
                 specs(data, batch_spec)),
       out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),

@@ -65,6 +65,9 @@ class ModelSpec:
   full_attention_every: int = 0
   context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
   ulysses_degree: int = 0
+  # The attention the run asked for (ComputeConfig.attention_impl): "auto" is flash, except inside
+  # pipeline stages, which run the reference (`memory`).
+  attention_impl: str = "xla"
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -160,7 +163,7 @@ ESTIMATOR_MODELS = {
 }
 
 
-def model_spec(model) -> ModelSpec:
+def model_spec(model, compute=None) -> ModelSpec:
   """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`).
 
   From models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width), shared
@@ -177,14 +180,17 @@ def model_spec(model) -> ModelSpec:
                   getattr(moe, "shared_experts", 0) if shared is None else shared,
                   getattr(moe, "first_dense_layers", 0))
   # "auto" is a flash kernel on GPUs, and GPUs are what the estimator plans for (a CPU run's
-  # host-memory check passes the impl resolved for its platform).
-  flash = getattr(model, "attention_impl", "xla") in ("auto", "cudnn", "pallas_flash")
+  # host-memory check passes the impl resolved for its platform). Compute settings come from
+  # `compute` (a ComputeConfig, read by field names; None: its defaults).
+  impl = getattr(compute, "attention_impl", "auto")
+  flash = impl in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
                    flash, getattr(model, "qk_norm", False), getattr(model, "mtp_depth", 0),
                    getattr(model, "mla", None), getattr(model, "sliding_window", 0),
                    getattr(model, "full_attention_every", 0),
-                   getattr(model, "context_impl", "ring"), getattr(model, "ulysses_degree", 0))
+                   getattr(compute, "context_impl", "ring"),
+                   getattr(compute, "ulysses_degree", 0), impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +378,7 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
   m, lay = model_spec(model), layout
-  if lay.pipeline > 1 and getattr(model, "attention_impl", "xla") == "auto":
+  if lay.pipeline > 1 and m.attention_impl == "auto":
     m = dataclasses.replace(m, flash_attention=False)  # pipeline stages run the reference
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)

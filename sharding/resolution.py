@@ -1,0 +1,148 @@
+"""Resolving a run's layout: from the mesh config, the model's dims, how it is computed and the
+batch (`layout_of`: every check that needs no devices), then on the devices (`resolve`: the mesh,
+the rules and every decision the traced program reads from the Layout). Model and compute
+settings are read by field name (sharding imports no models)."""
+
+import dataclasses
+import math
+import types
+
+import jax
+
+from kernels.attention import resolve as resolve_attention
+from sharding.context_parallel import load_balanced, ulysses_degree
+from sharding.layout import MESH_SWITCHES, Layout
+from sharding.mesh import BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
+from sharding.pipeline import schedules, stage_split
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+# The compute settings the layout reads (models.compute.ComputeConfig), and their defaults.
+COMPUTE_DEFAULTS = {"attention_impl": "auto", "context_impl": "ring", "ulysses_degree": 0,
+                    "collective_matmul": False, "remat": "none"}
+
+
+def _settings(compute) -> types.SimpleNamespace:
+  return types.SimpleNamespace(**{name: getattr(compute, name, default)
+                                  for name, default in COMPUTE_DEFAULTS.items()})
+
+
+def layout_of(mesh: MeshConfig, num_devices: int, model, compute=None, *, batch_size: int,
+              seq_len: int, microbatches: int = 1) -> Layout:
+  """The Layout of a mesh config on `num_devices` devices for `model` (a ModelConfig) computed
+  as `compute` says (a ComputeConfig; None: its defaults), both read by field names, and the
+  batch, after every check that needs no compile: one-line LayoutErrors."""
+  compute = _settings(compute)
+  sizes = resolve_sizes(mesh, num_devices)
+  shards = math.prod(sizes[a] for a in BATCH_AXES)
+  if batch_size % (shards * microbatches):
+    axes = " x ".join(f"{a}={sizes[a]}" for a in BATCH_AXES if sizes[a] > 1) or "1"
+    raise LayoutError(
+        f"batch_size={batch_size} is not divisible by the data-parallel size {shards} ({axes})"
+        f" x microbatches={microbatches}; each microbatch is split over the data-parallel"
+        " devices")
+  layout = Layout(**sizes, **{k: getattr(mesh, k) for k in MESH_SWITCHES},
+                  micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
+                  remat=compute.remat)
+  _check_model_fits(layout, model, compute, seq_len)
+  layout.splits_vocab(model.vocab_size, seq_len)  # a bad vocab_over_fsdp setting is an error
+  return layout
+
+
+def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
+  stages = layout.pipeline
+  if layout.stage_layers and stages == 1:
+    raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
+                      " but pipeline=1: set pipeline > 1 or stage_layers=''")
+  if stages > 1:
+    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
+    # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
+    if layout.context > 1:
+      raise LayoutError("pipeline parallelism does not yet support context parallelism; use"
+                        " context=1 or pipeline=1")
+    if compute.attention_impl == "pallas_flash":
+      raise LayoutError("compute.attention_impl=pallas_flash does not yet run inside a pipeline"
+                        " stage; use attention_impl=auto (the reference there) or pipeline=1")
+    layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
+    schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
+                   layout.virtual_stages)  # the schedule's own checks, as one-line errors
+  if compute.collective_matmul and layout.tensor > 1 and not layout.sequence_parallel:
+    raise LayoutError("compute.collective_matmul decomposes sequence parallelism's all-gather and"
+                      " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
+  # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,
+  # into 1 in the contiguous order a sliding window or Ulysses runs with.
+  context, tensor = layout.context, layout.tensor
+  impl = compute.context_impl
+  if context > 1:
+    _check_ulysses(impl, compute.ulysses_degree, context, model.num_heads // tensor)
+  balanced = load_balanced(getattr(model, "sliding_window", 0), impl)
+  chunks = context * (2 if balanced and context > 1 else 1)
+  seq_split = math.lcm(chunks, context * (tensor if layout.sequence_parallel else 1))
+  if seq_len % seq_split:
+    needs = ([f"2 x context = {chunks}" if balanced else f"context = {chunks}"]
+             if context > 1 else []) + (
+        [f"context x tensor = {context * tensor} (sequence parallelism)"]
+        if layout.sequence_parallel else [])
+    raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
+
+
+def _check_ulysses(impl: str, degree: int, context: int, local_heads: int) -> None:
+  """Ulysses' all-to-all splits each tensor shard's query heads over its degree: the degree must
+  divide them (kv heads fewer than the degree are replicated, kernels/ulysses.py), and the
+  hybrid's degree must divide `context` (the ring takes the rest)."""
+  if impl == "ulysses" and degree not in (0, context):
+    raise LayoutError(f"compute.ulysses_degree={degree} with context_impl=ulysses must be 0 or"
+                      f" context={context} (for a part of it, use context_impl=ulysses_ring)")
+  if impl == "ulysses_ring" and context % degree:
+    raise LayoutError(f"compute.ulysses_degree={degree} does not divide context={context}"
+                      " (ulysses_ring: Ulysses over that inner factor, the ring over the rest)")
+  degree = ulysses_degree(impl, degree, context)
+  if local_heads % degree:
+    raise LayoutError(f"Ulysses degree {degree} must divide the query heads per tensor shard"
+                      f" (num_heads / tensor = {local_heads}); kv heads fewer than the degree"
+                      " are replicated, query heads cannot be: lower the degree or tensor")
+
+
+def resolve(mesh: MeshConfig, devices, model, compute=None, *, batch_size: int, seq_len: int,
+            microbatches: int = 1, rule_overrides: str = "") -> Layout:
+  """The whole layout of a run on `devices`: validated (`layout_of`), the six-axis mesh, the rules
+  with the layout's decisions applied, and every kernel choice for the devices' platform."""
+  devices = list(devices)
+  layout = layout_of(mesh, len(devices), model, compute, batch_size=batch_size,
+                     seq_len=seq_len, microbatches=microbatches)
+  split = layout.stage_split(model.num_layers)
+  return _kernels(dataclasses.replace(
+      layout, mesh=make_mesh(mesh, devices),
+      rules=layout.rules_for(model.vocab_size, seq_len, rule_overrides),
+      stacks=stage_split.stack_split(split, model.dense_layers()) if split else ()),
+      devices[0].platform, model, compute)
+
+
+def local_layout(model, compute=None, platform: str | None = None) -> Layout:
+  """One device's layout (no mesh) with the kernels `compute` asks for resolved for `platform`
+  (default: JAX's default backend, read here, when the model is built): what a model built
+  outside a run (tests, conversions) runs with."""
+  platform = jax.default_backend() if platform is None else platform
+  return _kernels(Layout(remat=_settings(compute).remat), platform, model, compute)
+
+
+def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
+  """`layout` with the platform's kernel choices: "auto" attention, MoE grouped matmul and token
+  exchange resolved, and the context-parallel settings recorded."""
+  settings = _settings(compute)
+  moe = getattr(model, "moe", None)
+  grouped = getattr(moe, "grouped_matmul", "auto")
+  exchange = getattr(moe, "exchange", "auto")
+  return dataclasses.replace(
+      layout, platform=platform,
+      attention=resolve_attention(settings.attention_impl, platform),
+      # "auto" runs the reference inside a stage: the flash kernel's shard_map cannot nest in
+      # the pipeline's yet (pallas_flash there is refused by layout_of).
+      stage_attention=("xla" if settings.attention_impl == "auto"
+                       else settings.attention_impl),
+      context_impl=settings.context_impl, ulysses_degree=settings.ulysses_degree,
+      load_balanced=load_balanced(getattr(model, "sliding_window", 0), settings.context_impl),
+      grouped_matmul=(grouped if grouped != "auto" else
+                      "pallas" if platform in GPU_PLATFORMS else "ragged_dot"),
+      exchange=exchange if exchange != "auto" else "padded" if platform == "cpu" else "ragged")
