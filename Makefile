@@ -21,12 +21,12 @@ train: $(STAMP)
 # The fast default suite on 8 fake CPU devices (slow cases: `make test-all`), in 2 worker
 # processes: each test file runs whole in one worker (module fixtures are shared).
 TEST_WORKERS ?= 2
-# Under the trainer's malloc settings (trainer/host_memory.py), like `meshtron` runs.
+# Under the trainer's malloc settings (trainer/process/host_memory.py), like `meshtron` runs.
 test: $(STAMP)
-	$(BIN)/python -m trainer.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m trainer.process.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	$(BIN)/python -m trainer.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''
+	$(BIN)/python -m trainer.process.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''
 
 clean:
 	rm -rf $(VENV) runs .jax_cache .pytest_cache *.egg-info

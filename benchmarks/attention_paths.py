@@ -27,7 +27,7 @@ from models import ModelConfig
 from sharding import MeshConfig
 from sharding.xla import compiled
 from trainer import loss
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 PATHS = ("xla", "dot_product", "pallas_flash")
 

@@ -28,14 +28,14 @@ import statistics
 import subprocess
 import sys
 
-from trainer import host_memory
+from trainer.process import host_memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 DEFAULT_CONFIGS = ["tiny:single", "tiny:fsdp=8", "tiny:fsdp=4,tensor=2",
                    "100m:single", "100m:fsdp=8", "100m:fsdp=4,tensor=2"]
 # Timed steps per model; both trainers exclude their first `warmup` steps (meshtron's heap grows
-# to its steady size in its first steps; trainer/host_memory.py).
+# to its steady size in its first steps; trainer/process/host_memory.py).
 STEPS = {"tiny": (15, 5), "100m": (6, 3)}
 
 
@@ -61,7 +61,7 @@ def run_meshtron(model: str, layout: str, args, steps: int, warmup: int) -> dict
 
 
 def run_maxtext(model: str, layout: str, args, steps: int, warmup: int) -> dict:
-  # The same host allocator settings as meshtron's runs (trainer/host_memory.py), so the ratio
+  # The same host allocator settings as meshtron's runs (trainer/process/host_memory.py), so the ratio
   # compares the two trainers' programs, not glibc's defaults against tuned ones.
   env = dict(host_memory.tunables_env(), BATCH=str(args.batch), SEQ=str(args.seq), REMAT=args.remat,
              DTYPE=args.dtype, STEPS=str(steps + warmup), WARMUP=str(warmup))

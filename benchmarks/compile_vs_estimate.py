@@ -17,7 +17,7 @@ from configs import llama
 from sharding.xla import compiled
 from sharding.plan import estimate
 from sharding.mesh import MeshConfig
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 BATCH, SEQ = 8, 4096  # 8 sequences of 4096 tokens: one sequence per GPU per microbatch
 LAYOUTS = [  # (name, mesh, microbatches, remat)

@@ -43,7 +43,7 @@ def analytic(cfg) -> dict:
 
 def line(target: str, impl: str, degree: int, cfg, rep) -> dict:
   return {"target": target, "impl": impl, "ulysses_degree": degree, "seq": cfg.seq_len,
-          "model": "llama3_1b", "remat": cfg.model.remat,
+          "model": "llama3_1b", "remat": cfg.compute.remat,
           "temp_gib": rep.memory["temp"] / GIB, "peak_gib": rep.memory["peak"] / GIB,
           "collectives": {kind: {"executions": s["executions"],
                                  "payload_mib": s["payload_bytes"] / 2 ** 20,
@@ -68,7 +68,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
   from sharding.xla import compiled
-  from trainer.compile import compile_for_gpus, compile_locally
+  from trainer.aot import compile_for_gpus, compile_locally
   for target in targets:
     for impl, degree in IMPLS:
       cfg = config(impl, degree, args.seq)

@@ -20,7 +20,7 @@ from configs import llama
 from models.config import Fp8Config
 from sharding.mesh import MeshConfig
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 SEQ = 4096
 RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise")

@@ -99,7 +99,7 @@ def _smoke_train_step(rehearse: bool) -> dict:
   from trainer.trainer import Trainer
   cfg = llama.debug()
   cfg.model.num_layers, cfg.model.dtype = 2, "bfloat16"
-  cfg.model.attention_impl = "pallas_flash"  # the Pallas interpreter in a rehearsal
+  cfg.compute.attention_impl = "pallas_flash"  # the Pallas interpreter in a rehearsal
   cfg.batch_size, cfg.seq_len, cfg.steps, cfg.sample_tokens = 4, 128, 2, 0
   cfg.data = DataConfig(source="synthetic")
   trainer = Trainer(cfg, jax.devices()[:1])

@@ -13,7 +13,7 @@ of the unmasked 12 x ...). MFU is reported against the GPU's bf16 data-sheet fig
 989 TFLOP/s, as the published anchors count it) and against the bf16 matmul peak measured on
 this GPU.
 
-With `--fp8=RECIPE` the projections run in fp8 (model.fp8; the MFU numerator stays the same
+With `--fp8=RECIPE` the projections run in fp8 (compute.fp8; the MFU numerator stays the same
 FLOPs, against the bf16 figures), and `--xla_options` passes XLA options (e.g.
 xla_gpu_enable_triton_gemm=false: cuBLASLt fp8 GEMMs instead of the autotuner's choice).
 

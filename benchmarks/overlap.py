@@ -23,7 +23,7 @@ import time
 from configs import llama
 from sharding.xla import compiled, hlo, overlap
 from sharding.mesh import MeshConfig
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 SEQ = 4096
 BEFORE_AFTER = ("none", "overlap_v1")

@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from trainer import host_memory
+from trainer.process import host_memory
 from trainer.metrics import measure_matmul_flops
 
 
@@ -50,7 +50,7 @@ def main() -> None:
   parser.add_argument("--copy_mib", type=int, default=1024, help="0 skips the copy measurement")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/host_memory.py)
+  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/host_memory.py)
   for dtype in args.dtypes.split(","):
     for size in map(int, args.sizes.split(",")):
       start = time.perf_counter()

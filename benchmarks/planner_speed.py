@@ -51,7 +51,7 @@ def compile_top() -> None:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the CLI's own fake-device setting, as a user runs it
   start = time.perf_counter()
-  proc = subprocess.run([sys.executable, "-m", "trainer.cli", *COMPILE_TOP_ARGS, "--json"],
+  proc = subprocess.run([sys.executable, "-m", "cli.main", *COMPILE_TOP_ARGS, "--json"],
                         cwd=REPO, env=env, capture_output=True, text=True)
   seconds = time.perf_counter() - start
   if proc.returncode != 0:

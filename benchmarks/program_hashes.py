@@ -38,7 +38,7 @@ from sharding import MeshConfig  # noqa: E402
 from sharding.xla import compiled, hlo  # noqa: E402
 from tests import parallel_harness as harness  # noqa: E402
 from tests.test_parallel import LAYOUTS  # noqa: E402
-from trainer.compile import compile_for_gpus  # noqa: E402
+from trainer.aot import compile_for_gpus  # noqa: E402
 
 MOE = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1,
                 first_dense_layers=1, router="sigmoid", bias_update_rate=0.01,

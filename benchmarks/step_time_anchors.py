@@ -20,7 +20,7 @@ import time
 from configs import llama
 from sharding.mesh import MeshConfig
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 sys.path.insert(0, os.path.dirname(__file__))
 from report import replace_section  # noqa: E402

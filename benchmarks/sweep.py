@@ -138,8 +138,8 @@ def main() -> None:
   parser.add_argument("--peak_file", default=os.path.join(os.path.dirname(__file__), "results",
                                                           "peak.jsonl"))
   args = parser.parse_args()
-  from trainer import host_memory
-  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/host_memory.py)
+  from trainer.process import host_memory
+  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/host_memory.py)
   from trainer.metrics import measure_matmul_flops
   peak = train_step.peak_from_file(args.peak_file, "float32") or \
       measure_matmul_flops("float32", 2048, 10)

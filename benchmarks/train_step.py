@@ -5,7 +5,7 @@ Compile time (AOT, no persistent cache), steady step time (median over --steps s
 causal attention, the trainer's own MFU numerator), MFU against the measured matmul peak of the
 same dtype, per-device memory of the compiled program, and the CPU used by other processes
 during the timed window (so a contended measurement says so), and the process's page faults per
-timed step (fresh host memory; trainer/host_memory.py). Optional `jax.profiler` trace. From the
+timed step (fresh host memory; trainer/process/host_memory.py). Optional `jax.profiler` trace. From the
 command line it runs under the trainer's malloc settings, like `meshtron`.
 
 Usage:
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
   parser.add_argument("--wait_idle", type=float, default=0,
                       help="first wait up to this many seconds for other load to leave the CPUs")
   args = parser.parse_args(argv)
-  from trainer import host_memory
+  from trainer.process import host_memory
   if argv is None:  # a command line, not a test calling main(): measure with the trainer's malloc
     host_memory.reexec_with_tunables()
   layout = parse_layout(args.layout)

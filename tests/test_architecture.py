@@ -141,7 +141,7 @@ def test_a_non_editable_install_compiles_for_h100s(tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
   assert where.stdout.strip().startswith(str(site)), where.stdout
   run = subprocess.run([sys.executable, "-c",
-                        "from trainer.cli import main; main()", "compile",
+                        "from cli.main import main; main()", "compile",
                         "--config=debug", "--target=h100x8", "--config.mesh.data=8"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
   assert run.returncode == 0, run.stderr[-2000:]

@@ -245,8 +245,8 @@ def test_switching_the_fp8_recipe_on_resume(tmp_path):
   loop.run(fp8_run("tensorwise", 2), str(tmp_path))
   files = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
   with pytest.raises(checkpoint.CheckpointError, match=r"holds no fp8 amax histories, this"
-                     r" run's model.fp8 wants delayed-scaling amax histories of 16 steps.*"
-                     r"--config.model.fp8.recipe=tensorwise"):
+                     r" run's compute.fp8 wants delayed-scaling amax histories of 16 steps.*"
+                     r"--config.compute.fp8.recipe=tensorwise"):
     loop.run(fp8_run("delayed", 4), str(tmp_path))
   assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == files
   loop.run(fp8_run("rowwise", 4), str(tmp_path))

@@ -84,7 +84,7 @@ def test_attention_shaped_projections_contract_two_dims():
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=4), dict(data=2, tensor=2, context=2)])
 def test_model_with_collective_matmul_trains_like_one_device(mesh, reference):  # noqa: F811
-  """`model.collective_matmul` in the MLP under sequence parallelism: 3 AdamW steps equal one
+  """`compute.collective_matmul` in the MLP under sequence parallelism: 3 AdamW steps equal one
   device (test_parallel's tolerances); the program really differs (collective-permutes)."""
   model = dataclasses.replace(harness.MODEL, collective_matmul=True)
   cfg = sharding.MeshConfig(**{"data": 1, **mesh}, sequence_parallel=True)

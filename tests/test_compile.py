@@ -16,7 +16,7 @@ import pytest
 from configs import llama
 from sharding import MeshConfig
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus, compile_locally
+from trainer.aot import compile_for_gpus, compile_locally
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,7 +167,7 @@ def test_auto_attention_is_a_flash_kernel_on_gpu_targets_and_xla_on_cpu(tmp_path
   CPU program of the same config none, nor the H100 program of a pipelined layout (whose stages
   run the reference: the kernel's shard_map cannot nest in the pipeline's yet)."""
   cfg = debug(data=8)
-  assert cfg.model.attention_impl == "auto"
+  assert cfg.compute.attention_impl == "auto"
   gpu_hlo, cpu_hlo = tmp_path / "gpu.hlo", tmp_path / "cpu.hlo"
   compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(gpu_hlo))
   compile_locally(cfg, hlo_path=str(cpu_hlo))

@@ -1,7 +1,7 @@
 """The error contract: bad input and faults end in exactly one line on stderr that says what is
 wrong and how to fix it, before anything compiles, with the workdir's files byte-identical.
 
-Most cases run the CLI in this process (trainer.cli._start; a `meshtron` start costs ~4 s);
+Most cases run the CLI in this process (cli.main.run; a `meshtron` start costs ~4 s);
 those that need a process of their own (a dead peer, a second Ctrl-C) are at the end.
 """
 
@@ -17,7 +17,8 @@ import jax
 import pytest
 
 from tests.test_checkpoint import environment
-from trainer import cli, workdir as workdir_lib
+from cli import main as cli
+from trainer.process import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +47,7 @@ def run_cli(capfd, caplog, monkeypatch):
     capfd.readouterr()
     caplog.clear()
     with caplog.at_level(logging.DEBUG), pytest.raises(SystemExit) as exited:
-      cli._start()
+      cli.run()
     err = capfd.readouterr().err
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
         ("Compiling jit(train_step", "Compiling jit(eval_step", "Compiling jit(init"))]
@@ -87,9 +88,9 @@ def cases(tmp):
       ("eval_every=0", ["train", "--config.eval_every=0"], "eval_every=0 is out of range"),
       ("adam b2", ["train", "--config.optim.b2=1.5"], "optim.b2=1.5 is out of range"),
       ("spike factor", ["train", "--config.loss_spike_factor=0.5"], "loss_spike_factor=0.5"),
-      ("fp8 dropless experts", ["train", "--config=debug_moe", "--config.model.fp8.enabled=true",
+      ("fp8 dropless experts", ["train", "--config=debug_moe", "--config.compute.fp8.enabled=true",
                                 "--config.model.moe.dispatch=dropless"],
-       "model.fp8.recipe='delayed' does not run the MoE experts"),
+       "compute.fp8.recipe='delayed' does not run the MoE experts"),
       ("unknown logical name", ["train", "--config.sharding_rules=embedz=fsdp", *steps],
        "names no logical dim"),
       ("mesh size", ["train", "--config.mesh.data=3", *steps], "3 devices but 8 are available"),
@@ -174,11 +175,11 @@ def test_a_fresh_process_prints_only_the_error(tmp_path, argv, fragment):
 def test_help_lists_each_verbs_flags_and_the_presets(capfd, run_cli):
   for argv in (["--help"], ["train", "--help"], ["plan", "--help"]):
     sys.argv = ["meshtron", *argv]
-    cli._start()
+    cli.run()
     out = capfd.readouterr().out
     assert "usage: meshtron" in out
   sys.argv = ["meshtron", "train", "--help"]
-  cli._start()
+  cli.run()
   text = capfd.readouterr().out
   assert "--workdir" in text and "--dry_run" in text and "presets: debug" in text
   assert "--show_config" in text and "--gpus_per_node" not in text  # train's flags, not plan's
@@ -188,7 +189,7 @@ def test_show_config_prints_every_field_with_overrides_applied(capfd):
   sys.argv = ["meshtron", "train", "--config=debug_moe", "--config.model.moe.num_experts=6",
               "--show_config"]
   with pytest.raises(SystemExit) as exited:
-    cli._start()
+    cli.run()
   assert exited.value.code in (0, None)
   lines = capfd.readouterr().out.splitlines()
   assert "model.moe.num_experts: int = 6" in lines and "steps: int = 500" in lines
@@ -213,7 +214,7 @@ def test_a_stale_lock_is_taken_over(tmp_path, caplog):
 
 
 def test_a_second_ctrl_c_stops_at_once_without_saving():
-  script = ("import os, signal, time; from trainer.preemption import StopRequests;"
+  script = ("import os, signal, time; from trainer.process.preemption import StopRequests;"
             " s = StopRequests('SIGINT'); os.kill(os.getpid(), signal.SIGINT);"
             " assert s.should_stop(); os.kill(os.getpid(), signal.SIGINT); time.sleep(5)")
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -243,7 +244,7 @@ def test_a_process_that_never_joins_is_one_line_after_the_timeout(tmp_path):
   without a native stack."""
   port = two_free_ports()
   proc = subprocess.run(
-      [sys.executable, "-c", "from trainer.cli import main; main()", "train", "--config=debug",
+      [sys.executable, "-c", "from cli.main import main; main()", "train", "--config=debug",
        f"--workdir={tmp_path}", "--cpu_devices=4", f"--coordinator=127.0.0.1:{port}",
        "--num_processes=2", "--process_id=0", "--config.distributed.initialization_timeout_s=4"],
       capture_output=True, text=True, env=environment(), cwd=REPO, timeout=120)

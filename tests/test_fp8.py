@@ -34,7 +34,7 @@ from sharding.xla import compiled, hlo
 from tests import parallel_harness as harness
 from tests import training_runs
 from tests.test_parallel import GRAD_RTOL, LOSS_RTOL, UPDATE_RTOL
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 from trainer.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,7 +215,7 @@ def test_fp8_dots_in_the_h100_program(tmp_path):
 def test_fp8_training_stays_close_to_bf16():
   """100 steps of the tiny Llama, bf16 compute with and without fp8 projections, same data and
   init: every 10-step window mean of fp8 within 3% of bf16's."""
-  assert training_runs.config(100, dtype="bfloat16", fp8=True).model.fp8.enabled
+  assert training_runs.config(100, dtype="bfloat16", fp8=True).compute.fp8.enabled
   bf16 = training_runs.losses(100, dtype="bfloat16")
   fp8 = training_runs.losses(100, dtype="bfloat16", fp8=True)
   assert fp8 != bf16  # really a different computation

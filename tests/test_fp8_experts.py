@@ -38,7 +38,7 @@ from tests.test_fp8_h100_program import h100_dots
 from tests.test_fp8_recipes import rel
 from tests.test_moe_parallel import MOE
 from tests.test_parallel import LOSS_RTOL
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 FMAX = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 IMPLS = ("ragged_dot", "pallas")
@@ -280,7 +280,7 @@ def test_dropless_refuses_delayed_and_blockwise_in_one_line(recipe):
   with pytest.raises(ValueError) as error:
     model.validate()
   message = str(error.value)
-  assert f"model.fp8.recipe={recipe!r}" in message and "dropless" in message
+  assert f"compute.fp8.recipe={recipe!r}" in message and "dropless" in message
   assert "\n" not in message
   # Fine with the einsum dispatch, or with the experts out of fp8.
   dataclasses.replace(model, moe=dataclasses.replace(MOE, dispatch="dropping")).validate()

@@ -18,7 +18,7 @@ from models.config import Fp8Config
 from models.fp8.current import RECIPES, Gemm
 from sharding import MeshConfig
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
 HEAD = "TD,DV->TV"  # the loss's output head: bf16, not fp8

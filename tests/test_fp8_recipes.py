@@ -200,7 +200,7 @@ def test_recipe_settings_validate_in_one_line():
     Fp8Config(enabled=True, recipe=recipe).validate()
   with pytest.raises(ValueError) as error:
     Fp8Config(enabled=True, recipe="tensorwise", margin=1).validate()
-  assert "model.fp8.margin=1" in str(error.value) and "\n" not in str(error.value)
+  assert "compute.fp8.margin=1" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -187,7 +187,7 @@ def test_cudnn_attention_with_a_sliding_window_equals_the_reference(gpu, record_
 
 
 def test_cudnn_under_ulysses_equals_the_reference(gpu, record_property):
-  """model.context_impl=ulysses with attention_impl=cudnn: the model's per-device kernel
+  """compute.context_impl=ulysses with attention_impl=cudnn: the model's per-device kernel
   (models.attention.context_kernel) over every GPU present, the sequence split over them; cuDNN
   attends whole sequences between the all-to-alls (bf16, causal, packed, GQA 4: 2 kv heads,
   replicated where the GPUs outnumber them). On one GPU the all-to-alls are trivial (degree 1):

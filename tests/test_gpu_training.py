@@ -82,7 +82,7 @@ def train(gpu, workdir, *extra):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if not gpu.rehearsal:
     env["XLA_FLAGS"] = "--xla_gpu_deterministic_ops=true"
-  command = [sys.executable, "-c", "from trainer.cli import main; main()",
+  command = [sys.executable, "-c", "from cli.main import main; main()",
              *RUN, f"--workdir={workdir}", *extra]
   return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 

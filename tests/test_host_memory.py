@@ -1,4 +1,4 @@
-"""trainer/host_memory.py: the entry points re-exec themselves once under glibc malloc tunables
+"""trainer/process/host_memory.py: the entry points re-exec themselves once under glibc malloc tunables
 that reuse one heap in huge pages, which removes the per-step page faults of XLA:CPU's fresh
 temporaries; and models/layers.Einsum's token-row contraction (one token dim, not two)."""
 
@@ -15,7 +15,7 @@ import sharding
 from models.layers import Einsum
 from sharding import MeshConfig
 from sharding.rules import DEFAULT_RULES, layout_rules
-from trainer import host_memory
+from trainer.process import host_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FAULTS = """
 import resource, sys, jax, jax.numpy as jnp
 sys.path.insert(0, {root!r})
-from trainer import host_memory
+from trainer.process import host_memory
 if {reexec}:
   host_memory.reexec_with_tunables()
 step = jax.jit(lambda x: jnp.sum(jnp.sin(x)[::-1] * x))
@@ -56,7 +56,7 @@ def test_tunables_remove_the_page_faults_of_fresh_temporaries():
 
 
 def test_reexec_keeps_pid_and_arguments_and_respects_the_user():
-  script = ("import os, sys; sys.path.insert(0, %r); from trainer import host_memory; "
+  script = ("import os, sys; sys.path.insert(0, %r); from trainer.process import host_memory; "
             "host_memory.reexec_with_tunables(); "
             "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])" % ROOT)
 

@@ -14,7 +14,7 @@ from configs import llama
 from models import ModelConfig
 from sharding import MeshConfig
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

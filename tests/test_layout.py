@@ -88,7 +88,7 @@ def test_overrides_never_reach_a_preset(preset):
   from the same preset must not see the first one's overrides."""
   first = configs.get(preset)
   pristine = configs.get(preset)
-  first.model.fp8.enabled = not first.model.fp8.enabled
+  first.compute.fp8.enabled = not first.compute.fp8.enabled
   first.model.num_layers += 1
   first.mesh.tensor = 8
   if first.model.moe is not None:

@@ -23,7 +23,7 @@ from sharding import MeshConfig
 from sharding.xla import compiled, hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 # 8 experts of 32 (the harness model's MLP is 64) top-2, one shared expert, the first layer
 # dense; the sigmoid router with the aux-loss-free bias, so its update is compared as well.

@@ -17,7 +17,8 @@ from sharding import MeshConfig
 from sharding.pipeline import stage_split
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import DROPPING, MOE, assert_same_training, reference
-from trainer import checkpoint, convert, loop
+from cli import convert
+from trainer import checkpoint, hf_init, loop
 from trainer.loss import moe_metrics
 from trainer.state import unstored
 from trainer.trainer import Trainer
@@ -118,6 +119,6 @@ def test_a_padded_moe_checkpoint_resumes_unpipelined_and_exports_to_hf(tmp_path)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), exported,
                restored["data=8"])
   trainer = Trainer(run_cfg(padded, init_from=f"hf:{tmp_path / 'hf'}"))
-  imported = convert.init_state_from_hf(trainer).params
+  imported = hf_init.init_state_from_hf(trainer).params
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                unstored(imported, trainer.stage_layers), exported)

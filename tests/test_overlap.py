@@ -12,7 +12,7 @@ from configs import llama
 from models import param_names
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo, overlap
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 SAMPLES = os.path.join(os.path.dirname(__file__), "hlo_samples")
 

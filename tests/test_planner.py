@@ -219,7 +219,7 @@ def test_calibration_points_are_reproduced_within_a_quarter():
 def meshtron(*args, timeout=120):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)
-  return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 

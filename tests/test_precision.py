@@ -63,10 +63,10 @@ def test_bf16_gradient_accumulation_is_close_to_fp32():
 
 @pytest.mark.parametrize("change,message", [
     (lambda c: setattr(c, "grad_accum_dtype", "float16"), "grad_accum_dtype='float16' is not one of"),
-    (lambda c: setattr(c.model.fp8, "recipe", "current"), "model.fp8.recipe='current' is not one"),
-    (lambda c: setattr(c.model.fp8, "targets", "mlp,router"), "names ['router']"),
-    (lambda c: setattr(c.model.fp8, "amax_history", 0), "model.fp8.amax_history must be positive"),
-    (lambda c: (setattr(c.model.fp8, "targets", "head"), setattr(c.model, "tie_embeddings", True)),
+    (lambda c: setattr(c.compute.fp8, "recipe", "current"), "compute.fp8.recipe='current' is not one"),
+    (lambda c: setattr(c.compute.fp8, "targets", "mlp,router"), "names ['router']"),
+    (lambda c: setattr(c.compute.fp8, "amax_history", 0), "compute.fp8.amax_history must be positive"),
+    (lambda c: (setattr(c.compute.fp8, "targets", "head"), setattr(c.model, "tie_embeddings", True)),
      "needs an untied head"),
     (lambda c: setattr(c.optim, "name", "lion"), "optim.name='lion' is not one of"),
     (lambda c: setattr(c.optim, "muon_beta", 1.0), "optim.muon_beta must be in [0, 1)"),

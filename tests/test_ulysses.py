@@ -271,7 +271,7 @@ def test_ulysses_layout_errors_are_one_line():
 @pytest.mark.parametrize("impl,degree", [("ring", 2), ("ulysses_ring", 0), ("ulysses", -1)])
 def test_the_degree_must_fit_the_impl(impl, degree):
   model = dataclasses.replace(harness.MODEL, context_impl=impl, ulysses_degree=degree)
-  with pytest.raises(ValueError, match=f"model.ulysses_degree={degree} does not fit"):
+  with pytest.raises(ValueError, match=f"compute.ulysses_degree={degree} does not fit"):
     model.validate()
 
 

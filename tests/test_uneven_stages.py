@@ -20,7 +20,7 @@ from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
 from tests.test_pipeline import references  # noqa: F401  (the one-device runs, a fixture)
-from trainer import planning
+from cli import presets as planning
 from trainer.trainer import Trainer
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
@@ -183,7 +183,8 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
   data=8 continues the original run; the HF export and an HF import into uneven stages hold
   exactly the model's rows."""
   from tests.test_checkpoint import _every, _target, rows, tiny_run
-  from trainer import checkpoint, convert, loop
+  from cli import convert
+  from trainer import checkpoint, hf_init, loop
   from models import hf
   from trainer.state import unstored
 
@@ -222,7 +223,7 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
                exported, state.params)
   cfg = run_cfg(MeshConfig(data=4, pipeline=2), init_from=f"hf:{tmp_path / 'hf'}")
   trainer = Trainer(cfg)
-  imported = convert.init_state_from_hf(trainer).params
+  imported = hf_init.init_state_from_hf(trainer).params
   assert imported["layers"]["mlp"]["down"]["w"].shape[0] == 4
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                unstored(imported, trainer.stage_layers), exported)
@@ -239,7 +240,7 @@ def test_llama3_405b_on_16_stages_compiles_for_128_h100s():
         [MESHTRON, "compile", "--config=llama3_405b", "--target=h100x128", "--json",
          "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.pipeline=16",
          "--config.mesh.tensor=8", "--config.mesh.sequence_parallel=true",
-         "--config.model.remat=full", "--config.batch_size=16", "--config.microbatches=16",
+         "--config.compute.remat=full", "--config.batch_size=16", "--config.microbatches=16",
          f"--config.model.num_layers={layers}"],
         capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stderr[-2000:]

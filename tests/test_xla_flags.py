@@ -9,7 +9,7 @@ import pytest
 from configs import llama
 from sharding import MeshConfig
 from sharding.xla import compiled, presets
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 from trainer.config import compiler_options
 from trainer.trainer import Trainer
 

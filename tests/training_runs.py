@@ -18,7 +18,7 @@ def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: 
   cfg = llama.debug()
   cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 2, 64, mlp_dim
   cfg.model.dtype = dtype
-  cfg.model.fp8 = Fp8Config(enabled=fp8, recipe=recipe)
+  cfg.compute.fp8 = Fp8Config(enabled=fp8, recipe=recipe)
   cfg.optim = dataclasses.replace(cfg.optim, name=optimizer)
   cfg.steps, cfg.batch_size, cfg.seq_len = steps, 16, 64
   return cfg

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from trainer import checkpoint, data, metrics, plot, preemption, sample
-from trainer import workdir as workdir_lib
+from trainer import checkpoint, data, metrics, plot, sample
+from trainer.process import preemption, workdir as workdir_lib
 from trainer.config import TrainConfig
 from trainer.restore import init_or_restore
 from trainer.trainer import Trainer

@@ -9,7 +9,7 @@ import uuid
 import jax
 from absl import logging
 
-from trainer import checkpoint, convert, data
+from trainer import checkpoint, data, hf_init
 from trainer.config import TrainConfig
 from trainer.trainer import Trainer
 
@@ -26,7 +26,7 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
   meta = {"run_id": uuid.uuid4().hex, "process_count": jax.process_count(),
           "config": dataclasses.asdict(cfg), "stage_layers": [[name, list(counts)] for name, counts in trainer.stage_layers]}
   if step is None and cfg.init_from:  # fresh optimizer state, parameters from HF weights
-    trainer.state = convert.init_state_from_hf(trainer)
+    trainer.state = hf_init.init_state_from_hf(trainer)
     return train_iter, 0, meta
   if step is None:
     trainer.init_state()

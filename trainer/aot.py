@@ -1,4 +1,5 @@
-"""`meshtron compile`: the real train step compiled for a target, locally or for a GPU cluster.
+"""The real train step compiled ahead of time for a target, locally or for a GPU cluster (what
+`meshtron compile` and `plan --compile_top` report).
 
 GPU targets are compiled without a GPU in a subprocess (JAX_PLATFORMS=cpu + the CUDA plugin of
 the `gpu-aot` extra): a bad target config can crash XLA, and the crash must become one line.
@@ -87,7 +88,7 @@ def compile_for_gpus(cfg: TrainConfig, gpu: compiled_report.GpuTarget, hlo_path:
                  "hlo_path": hlo_path}, f)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("XLA_FLAGS", None)  # fake CPU device counts do not belong in a GPU compile
-    proc = subprocess.run([sys.executable, "-m", "trainer.compile", request, response],
+    proc = subprocess.run([sys.executable, "-m", "trainer.aot", request, response],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode < 0:
       name = signal.Signals(-proc.returncode).name

@@ -11,9 +11,10 @@ import concurrent.futures
 import dataclasses
 import time
 
+from cli.presets import train_config
 from sharding.plan import planner
 from sharding.xla import compiled
-from trainer.compile import compile_for_gpus
+from trainer.aot import compile_for_gpus
 
 WORKERS = 2  # compiles at once: each is one XLA process, about one core busy
 TIMEOUT_S = 900  # one layout's compile
@@ -59,7 +60,6 @@ def compile_best(model: str, candidates: list, seq: int, target: compiled.GpuTar
                  progress=None) -> list[CompiledLayout]:
   """Compiles each candidate's train step for `target`, WORKERS at a time; a layout the trainer
   refuses or XLA fails on keeps its one-line reason."""
-  from trainer.planning import train_config
   results = [CompiledLayout(i, c) for i, c in enumerate(candidates, 1)]
 
   def one(result: CompiledLayout) -> CompiledLayout:

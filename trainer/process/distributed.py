@@ -9,7 +9,7 @@ import traceback
 import jax
 
 from trainer.config import DistributedConfig
-from trainer.join_watch import JoinWatch
+from trainer.process.join_watch import JoinWatch
 
 
 def detect_launcher() -> str | None:

@@ -13,7 +13,7 @@ step: 0–500 faults per step, and the step went from 9.5 s to 5.9 s.
 
 glibc reads GLIBC_TUNABLES once, at process start. So the command-line entry points call
 `reexec_with_tunables()` first, and the process replaces itself (same pid, same arguments) once;
-the `meshtron` script (trainer/cli.py) does it before importing anything heavy.
+the `meshtron` script (cli/main.py) does it before importing anything heavy.
 Notebooks and other embedders can set the variable before starting Python (see docs/training.md).
 """
 
@@ -52,8 +52,8 @@ def reexec_with_tunables() -> None:
 
 
 if __name__ == "__main__":
-  # `python -m trainer.host_memory CMD [ARGS...]` runs CMD under the tunables (e.g. pytest, or
+  # `python -m trainer.process.host_memory CMD [ARGS...]` runs CMD under the tunables (e.g. pytest, or
   # jupyter, whose kernels inherit them).
   if len(sys.argv) < 2:
-    sys.exit("usage: python -m trainer.host_memory CMD [ARGS...]")
+    sys.exit("usage: python -m trainer.process.host_memory CMD [ARGS...]")
   os.execvpe(sys.argv[1], sys.argv[1:], tunables_env())

@@ -1,0 +1,79 @@
+"""The models and precisions `memory`, `plan` and `plan --compile_top` take by name, and the
+TrainConfig (and config file) of a preset under a planned layout."""
+
+import dataclasses
+import sys
+
+from configs import llama, moe
+from sharding.layout import Layout
+from sharding.plan import estimate
+
+
+def parse_tokens(text: str) -> int:
+  """"1M" -> 1048576, "512K" -> 524288, "4096" -> 4096."""
+  text = text.strip().upper()
+  scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
+  number = text[:-1] if scale > 1 else text
+  if not number.isdigit():
+    raise ValueError(f"--global_batch_tokens={text!r} must be a number with an optional K/M/G")
+  return int(number) * scale
+
+
+def preset_module(name: str):
+  """The configs module whose `large(name)` builds trainer preset `name`, or None."""
+  return next((m for m in (llama, moe) if name in m.MODELS), None)
+
+
+def model_by_name(name: str):
+  """A configs preset (dense or MoE, read by duck typing) or one of the estimator's own models."""
+  if module := preset_module(name):
+    return estimate.model_spec(module.MODELS[name])
+  if name in estimate.ESTIMATOR_MODELS:
+    return estimate.ESTIMATOR_MODELS[name]
+  names = sorted(set(llama.MODELS) | set(moe.MODELS) | set(estimate.ESTIMATOR_MODELS))
+  raise ValueError(f"unknown model {name!r}; models: {', '.join(names)}")
+
+
+def precision_by_name(name: str, model_dtype: str = "bfloat16") -> estimate.Precision:
+  if name == "trainer":
+    return estimate.trainer_precision(model_dtype)
+  if name not in estimate.PRECISIONS:
+    raise ValueError(f"unknown precision {name!r}; one of {', '.join(estimate.PRECISIONS)}")
+  return estimate.PRECISIONS[name]
+
+
+def train_config(model: str, layout: Layout, seq: int):
+  """The TrainConfig of a preset under a planned layout: what write_config's file builds."""
+  cfg = preset_module(model).large(model)
+  cfg.mesh = layout.mesh_config()
+  cfg.seq_len, cfg.batch_size, cfg.microbatches = seq, layout.global_batch, layout.microbatches
+  cfg.compute = dataclasses.replace(cfg.compute, remat=layout.remat)
+  return cfg
+
+
+def write_config(path: str, model: str, layout: Layout, seq: int) -> bool:
+  """A config file for `meshtron train` with the layout's mesh, batch and remat."""
+  module = preset_module(model)
+  if module is None:
+    print(f"note: {model} is not a trainer preset yet; no config written", file=sys.stderr)
+    return False
+  mesh = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(layout.mesh_config()).items()
+                   if k not in ("dcn", "allow_tensor_across_hosts"))
+  text = f'''"""{model} with the layout chosen by `meshtron plan`: {layout.string()}."""
+
+from configs import {module.__name__.split(".")[-1]}
+from sharding.mesh import MeshConfig
+
+
+def get_config():
+  cfg = {module.__name__.split(".")[-1]}.large({model!r})
+  cfg.mesh = MeshConfig({mesh})
+  cfg.seq_len = {seq}
+  cfg.batch_size = {layout.global_batch}  # sequences per step: mbs x ga x data x fsdp x expert
+  cfg.microbatches = {layout.microbatches}
+  cfg.compute.remat = {layout.remat!r}
+  return cfg
+'''
+  with open(path, "w") as f:
+    f.write(text)
+  return True
