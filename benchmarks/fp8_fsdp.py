@@ -17,7 +17,7 @@ import json
 import time
 
 from configs import llama
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from sharding.mesh import MeshConfig
 from sharding.xla import compiled
 from trainer.aot import compile_for_gpus

@@ -32,7 +32,7 @@ import train_step  # benchmarks/train_step.py, beside this script
 def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool,
                 fp8: str = "none", xla_options: str = ""):
   from configs import llama
-  from models.config import Fp8Config
+  from models.fp8.config import Fp8Config
   from trainer.config import DataConfig
   cfg = llama.debug()
   model = llama.model("llama3_8b")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import llama
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from sharding import MeshConfig
 from trainer import checkpoint, loop
 from trainer.trainer import Trainer

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from configs import llama
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from models.fp8.delayed import E4M3, E5M2, fp8_einsum, scale_from_history
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo

@@ -28,7 +28,8 @@ from flax import nnx
 import sharding
 import sharding.expert
 from configs import moe as moe_configs
-from models.config import Fp8Config, ModelConfig
+from models.config import ModelConfig
+from models.fp8.config import Fp8Config
 from models.fp8.grouped import RECIPES, GemmAxes, quantized_grouped
 from models.moe import MoE, Experts
 from sharding import MeshConfig, dropless_experts

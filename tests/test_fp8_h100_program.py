@@ -14,7 +14,7 @@ import re
 import pytest
 
 from configs import llama
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from models.fp8.current import RECIPES, Gemm
 from sharding import MeshConfig
 from sharding.xla import compiled

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import param_names
-from models.config import FP8_RECIPES, Fp8Config
+from models.fp8.config import FP8_RECIPES, Fp8Config
 from models.fp8.delayed import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
 from models.fp8.current import RECIPES, Gemm, quantize_operand, quantized_einsum
 from sharding import MeshConfig
@@ -272,7 +272,7 @@ def test_sharded_projection_equals_one_device(recipe, eqn):
 # mlp 256 make blockwise's blocks whole on each tensor-parallel shard.
 _TRAINING = """
 import dataclasses, json, sys, jax
-from models.config import FP8_RECIPES, Fp8Config
+from models.fp8.config import FP8_RECIPES, Fp8Config
 from sharding import MeshConfig
 from tests import parallel_harness as harness
 layout, microbatches = json.loads(sys.argv[1]), int(sys.argv[2])

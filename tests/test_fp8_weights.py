@@ -15,7 +15,7 @@ from flax import nnx
 
 from configs import llama
 from models import builder
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
 from models.fp8.current import quantize_weight as tensorwise_weight, quantized_einsum
 from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights

@@ -11,7 +11,8 @@ from flax import nnx
 
 from models import ModelConfig, abstract_model, hf, param_names
 from models.builder import init_params
-from models.config import Fp8Config, MoEConfig
+from models.config import MoEConfig
+from models.fp8.config import Fp8Config
 from configs import moe as moe_configs
 from sharding import MeshConfig
 from sharding.layout import Layout, layout_of

@@ -19,7 +19,9 @@ import numpy as np
 import optax
 import pytest
 
-from models.config import Fp8Config, ModelConfig
+from models.config import ModelConfig
+
+from models.fp8.config import Fp8Config
 from sharding import MeshConfig
 from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness

@@ -7,7 +7,7 @@ import functools
 import jax
 
 from configs import llama
-from models.config import Fp8Config
+from models.fp8.config import Fp8Config
 from trainer.trainer import Trainer
 
 
