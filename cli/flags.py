@@ -21,7 +21,7 @@ VERBS = {
 VERB_FLAGS = {
     "train": ("config", "workdir", "cpu_devices", "dry_run", "show_config", "coordinator",
               "num_processes", "process_id"),
-    "compile": ("config", "target", "hlo", "json", "cpu_devices", "show_config"),
+    "compile": ("config", "target", "hlo", "timeline", "json", "cpu_devices", "show_config"),
     "memory": ("model", "layout", "gpu", "seq", "precision", "plot", "json", "config", "gpus",
                "show_config"),
     "plan": ("model", "gpu", "nodes", "gpus_per_node", "gpus", "seq", "global_batch_tokens",
@@ -48,6 +48,9 @@ PROCESS_ID = flags.DEFINE_integer("process_id", -1, "multi-process: this process
 TARGET = flags.DEFINE_string("target", "local", "compile: `local` (this machine's devices) or a"
                              " GPU cluster such as h100x8, h100x64, h200x16 (no GPU needed)")
 HLO = flags.DEFINE_string("hlo", "", "compile: write the optimized HLO to this file")
+TIMELINE = flags.DEFINE_bool("timeline", False, "compile: print the scheduled order of the"
+                             " collectives and matmul kernels in the computation with the most"
+                             " collectives (on GPUs the layer loop's body)")
 # memory / plan
 MODEL = flags.DEFINE_string("model", "", "memory/plan: model preset (e.g. llama3_70b,"
                             " playbook_8b, mixtral_8x7b); memory without it reads --config")

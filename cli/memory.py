@@ -1,12 +1,13 @@
 """`meshtron memory`: one layout's per-device memory breakdown and predicted step time
 (analytic, no devices), as a table, JSON or a stacked-bar plot."""
 
+import dataclasses
 import json
 
 from cli import flags
 from cli.presets import model_by_name, precision_by_name
 from sharding import layout as layouts
-from sharding.plan import estimate, hardware, planner
+from sharding.plan import estimate, hardware, optimizer_cost, planner
 
 
 def format_memory(cand: planner.Candidate, title: str, hw: hardware.HardwareProfile) -> str:
@@ -70,18 +71,31 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
   else:
     if layout or not config_given:
       raise ValueError("memory needs --model=NAME --layout=... or --config=PRESET|file.py")
-    spec, lay = estimate.model_spec(config.model, config.compute), config.layout(gpus or hw.gpus_per_node)
+    spec = estimate.model_spec(config.model, config.compute)
+    lay = config.layout(gpus or hw.gpus_per_node)
     chosen = estimate.trainer_precision(config.model.dtype, config.model.param_dtype)
     seq, title = config.seq_len, f"{config.model.num_params() / 1e9:.2f}B-parameter model"
   errors = planner.divisibility_errors(spec, lay, seq)
   if errors:
     raise ValueError(f"layout {lay.string()}: {'; '.join(errors)}")
   cand = planner.evaluate(spec, lay, seq, chosen, hw)
+  extra = {}
+  if not model:  # the config's optimizer and fp8 state (sharding/plan/optimizer_cost.py)
+    mem = optimizer_cost.run_memory(spec, lay, seq, chosen, optimizer=config.optim.name,
+                                    fp8=config.compute.fp8)
+    cand = dataclasses.replace(cand, memory=mem, fits=mem.total <= hw.memory_bytes)
+    if config.optim.name == "muon":
+      cost = optimizer_cost.muon_newton_schulz(spec, lay, config.optim.muon_ns_steps)
+      extra = {"muon_newton_schulz_tflop": cost.flops / 1e12,
+               "muon_newton_schulz_wire_mb": cost.wire_bytes / 1e6}
   title = f"{title}, seq {seq}, {chosen.name}, {hw.name}"
   if as_json:
-    print(json.dumps(dict(cand.summary(), model=title)))
+    print(json.dumps(dict(cand.summary(), model=title, **extra)))
   else:
     print(format_memory(cand, title, hw))
+    if extra:
+      print(f"Muon's Newton-Schulz per step and device: {extra['muon_newton_schulz_tflop']:.3f}"
+            f" TFLOP, {extra['muon_newton_schulz_wire_mb']:.1f} MB sent (not in the step time)")
   if plot:
     plot_memory(cand, plot, title, hw)
     if not as_json:

@@ -35,7 +35,8 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
   Returns:
     [B, L, H, dv] attention output.
   """
-  impl = resolve(impl, jax.default_backend())
+  if impl == "auto":  # callers with a layout pass its resolved kernel: nothing read here
+    impl = resolve(impl, jax.default_backend())
   if impl == "xla":
     return reference.attention(q, k, v, segment_ids, causal=causal, window=window)
   if impl in ("dot_product", "cudnn"):

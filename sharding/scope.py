@@ -52,14 +52,15 @@ def record_constraints():
 
 
 def active() -> _Scope | None:
-  """The open sharding scope, or None outside every `use_rules`."""
+  """The open sharding scope, or None outside every `use_rules`: what the logical-name
+  resolution below reads (every read goes through here); a layout decision never does."""
   return _CURRENT.get()
 
 
 @contextlib.contextmanager
 def excluding(axes: tuple[str, ...]):
   """Inside `jax.vmap(..., spmd_axis_name=axes)`: specs must not use those axes again."""
-  outer = _CURRENT.get()
+  outer = active()
   if outer is None or not axes:
     yield
     return
@@ -71,8 +72,8 @@ def excluding(axes: tuple[str, ...]):
 
 
 def current() -> _Scope:
-  """The active context; raises if no `use_rules` context is open."""
-  value = _CURRENT.get()
+  """The active scope; raises if no `use_rules` scope is open."""
+  value = active()
   if value is None:
     raise RuntimeError("no sharding scope: wrap the call in sharding.use_rules(mesh, rules)")
   return value
@@ -97,7 +98,7 @@ def named_sharding(names: Sequence[str | None], shape: Sequence[int], what: str 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Constrains an activation's sharding by logical names; a no-op outside `use_rules`."""
-  ctx = _CURRENT.get()
+  ctx = active()
   if ctx is None:
     return x
   sharding = named_sharding(names, x.shape, "activation")
@@ -131,7 +132,7 @@ def tree_shardings(names_tree: Any, abstract_tree: Any, role: str = "params",
 
 def constrain_tree(tree: Any, names_tree: Any, role: str) -> Any:
   """Constrains every array of a state-shaped tree (e.g. gradients) to its role's sharding."""
-  if _CURRENT.get() is None:
+  if active() is None:
     return tree
   shardings = tree_shardings(names_tree, tree, role, prefix=f"{role}/")
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)

@@ -9,7 +9,7 @@ import jax
 import sharding
 from models import abstract_model, param_names
 from sharding import report
-from sharding.plan import estimate
+from sharding.plan import estimate, optimizer_cost
 from sharding.xla import compiled, presets
 from trainer import data
 from trainer.config import TrainConfig, compiler_options
@@ -122,7 +122,9 @@ class Trainer:
     # The attention this platform runs ("auto" is the XLA reference here, with its [s, s] scores).
     model = estimate.model_spec(cfg.model, dataclasses.replace(
         cfg.compute, attention_impl=self.layout.attention))
-    need = estimate.memory(model, self.layout, cfg.seq_len, precision, workspace_bytes=0).total
+    need = optimizer_cost.run_memory(model, self.layout, cfg.seq_len, precision,
+                                     optimizer=cfg.optim.name, fp8=cfg.compute.fp8,
+                                     workspace_bytes=0).total
     if need > limit:
       raise ValueError(
           f"the train step needs about {need / 2**30:.2f} GiB per device (analytic estimate) but"

@@ -129,10 +129,6 @@ def unpad(layers, counts: tuple[int, ...]):
   return jax.tree.map(lambda w: jnp.take(w, rows, axis=0), layers)
 
 
-def padded_shape(shape: tuple[int, ...], counts: tuple[int, ...]) -> tuple[int, ...]:
-  return (len(counts) * max(counts), *shape[1:])
-
-
 def layer_of_row(counts: tuple[int, ...]) -> np.ndarray:
   """For each row of the padded stack, the model layer it holds, -1 for padding."""
   out = np.full(len(counts) * max(counts), -1)

@@ -1,5 +1,6 @@
 """Analytic costs of the optimizer and precision choices, on top of sharding.plan.estimate: Muon's
-state and Newton-Schulz FLOPs and communication, and the fp8 amax-history state.
+state and Newton-Schulz FLOPs and communication, and the fp8 amax-history state. `run_memory` is
+what the trainer's pre-compile memory check and `meshtron memory --config` count for a run.
 
 Pure Python, like estimate.py (which is near its size cap; this extends its model additively).
 """
@@ -94,3 +95,16 @@ def fp8_state_elements(model, history: int, targets: str = "attention,mlp,expert
   head = "head" in targets and not m.tie_embeddings
   return 3 * history * (m.num_layers * per_layer + head)
 
+
+def run_memory(model, layout: Layout, seq_len: int, precision: Precision, *,
+               optimizer: str = "adamw", fp8=None, **kw) -> Memory:
+  """The per-device memory of a run's choices: estimate.memory, with Muon's one momentum for its
+  hidden matrices (`optimizer` "muon"), plus the fp8 amax histories of `fp8` (a Fp8Config, read
+  by field names; None or disabled: none), float32 parameters replicated on every device with
+  AdamW's two (untouched) moments: 3 x 4 bytes an element."""
+  mem = (muon_memory if optimizer == "muon" else memory)(model, layout, seq_len, precision, **kw)
+  if fp8 is None or not fp8.enabled:
+    return mem
+  histories = fp8_state_elements(model, fp8.amax_history, fp8.targets, fp8.recipe)
+  return dataclasses.replace(mem, params=mem.params + 4 * histories,
+                             optimizer=mem.optimizer + 8 * histories)

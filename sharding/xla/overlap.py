@@ -180,9 +180,19 @@ def summarize(rows: list[dict], large_bytes: float = 0) -> dict:
           "ops_with_matmul": sum(1 for r in rows if r.get("matmul_between", 0) > 0)}
 
 
+def busiest_computation(hlo_text: str) -> str:
+  """The computation holding the most collective instructions (on GPUs the layer loop's body),
+  or the last one (the entry's) when none has any."""
+  comps = hlo.computations(hlo_text)
+  count = lambda instrs: sum(ins.op.removesuffix("-start") in hlo.KINDS for ins in instrs)
+  names = list(comps)
+  return max(reversed(names), key=lambda name: count(comps[name]))
+
+
 def timeline(hlo_text: str, computation: str, width: int = 0) -> list[str]:
   """The schedule of one computation reduced to what overlap is about: collective starts and
-  dones, and matrix-work kernels (other kernels folded into "+n ops"). Evidence for reports."""
+  dones, and matrix-work kernels (other kernels folded into "+n ops"): what `meshtron compile
+  --timeline` prints."""
   comps = hlo.computations(hlo_text)
   costs = _Costs(comps)
   lines, folded = [], 0

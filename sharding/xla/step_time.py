@@ -21,7 +21,6 @@ The constants are the GPU profile's (sharding/plan/hardware.py), each with its s
 """
 
 import dataclasses
-import json
 import math
 import re
 
@@ -303,7 +302,3 @@ def format_prediction(summary: dict) -> str:
     lines.append(f"    {op['total_s'] * 1e3:8.2f} ms  {op['kind']:<18} {op['name']}"
                  f" x{op['count']}{extra}")
   return "\n".join(lines)
-
-
-def to_json(prediction: StepPrediction) -> str:
-  return json.dumps(dataclasses.asdict(prediction))
