@@ -123,44 +123,6 @@ class Schedule:
           receive[t, dest, source] = (1, gradient, dest_chunk, m % slots)
     return send, receive
 
-  def idle_times(self, durations: dict) -> np.ndarray:
-    """[stages]: each stage's idle time when its operations, in table order, take `durations`
-    ({op: time, "pair": time of an overlapped F&B}) and messages take none: the step's span less
-    the stage's busy time. Unit durations give the tick table's own bubble."""
-    order = [[self.ops_at(t, s) for t in range(self.ticks) if self.ops_at(t, s)]
-             for s in range(self.stages)]
-    finish, free, busy, cursor = {}, [0.0] * self.stages, [0.0] * self.stages, [0] * self.stages
-    last = self.stages * self.virtual - 1
-
-    def ready_at(op, m, c, s):
-      q = self.position(c, s)
-      if op == FORWARD:
-        return 0.0 if q == 0 else finish.get((FORWARD, m, q - 1))
-      if op == BACKWARD_WEIGHT:
-        return 0.0
-      up = 0.0 if q == last else finish.get((BACKWARD, m, q + 1),
-                                            finish.get((BACKWARD_INPUT, m, q + 1)))
-      mine = finish.get((FORWARD, m, q))
-      return None if up is None or mine is None else max(up, mine)
-
-    moved = True
-    while moved:
-      moved = False
-      for s in range(self.stages):
-        while cursor[s] < len(order[s]):
-          ops = order[s][cursor[s]]
-          starts = [ready_at(*o, s) for o in ops]
-          if any(x is None for x in starts):
-            break
-          took = durations["pair"] if len(ops) == 2 else durations[ops[0][0]]
-          free[s] = max([free[s], *starts]) + took
-          busy[s] += took
-          for op, m, c in ops:
-            finish[(op, m, self.position(c, s))] = free[s]
-          cursor[s] += 1
-          moved = True
-    return max(free) - np.asarray(busy)
-
   def render(self) -> str:
     """One row per stage, e.g. `F0 F1 B0 F2 B1 ...` (chunk as a suffix when interleaved)."""
     rows = []
