@@ -11,7 +11,7 @@ import pytest
 import sharding
 from kernels import reference
 from kernels.cross_entropy import chunked_cross_entropy
-from models import ModelConfig, abstract_model, param_names
+from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from models.builder import init_params
 from sharding.xla import hlo
 from trainer import loss
@@ -61,9 +61,9 @@ def test_chunked_equals_dense_sums_stats_and_gradients(chunk):
 def test_model_with_chunked_loss_gives_the_dense_gradients(tied):
   """The train step's loss path: hidden states + head weights (tied: the embedding transposed)
   through the chunked loss equal logits through the dense loss."""
-  dense_cfg = dataclasses.replace(TINY, tie_embeddings=tied)
-  chunked_cfg = dataclasses.replace(dense_cfg, loss_impl="chunked", loss_chunk_size=8)
-  params = init_params(dense_cfg, jax.random.PRNGKey(0))
+  cfg = dataclasses.replace(TINY, tie_embeddings=tied)
+  dense, chunked = ComputeConfig(), ComputeConfig(loss_impl="chunked", loss_chunk_size=8)
+  params = init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 64, (4, 21)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -71,10 +71,11 @@ def test_model_with_chunked_loss_gives_the_dense_gradients(tied):
            "segment_ids": np.ones((4, 20), np.int32),
            "loss_mask": (rng.random((4, 20)) < 0.7).astype(np.float32)}
   results = []
-  for cfg in (dense_cfg, chunked_cfg):
-    graphdef, _ = abstract_model(cfg)
-    step_cfg = StepConfig.for_model(cfg, z_loss=1e-4)
-    results.append(jax.jit(make_grads_fn(graphdef, param_names(cfg), step_cfg))(params, batch))
+  for compute in (dense, chunked):
+    graphdef, _ = abstract_model(cfg, compute)
+    step_cfg = StepConfig(z_loss=1e-4)
+    results.append(jax.jit(make_grads_fn(graphdef, param_names(cfg, compute), sharding.Layout(),
+                                         step_cfg))(params, batch))
   (dense_grads, dense_stats), (chunked_grads, chunked_stats) = results
   for key in dense_stats:
     np.testing.assert_allclose(chunked_stats[key], dense_stats[key], rtol=1e-6)

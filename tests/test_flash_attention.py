@@ -6,7 +6,6 @@ Errors are relative L2 norms ||kernel - reference|| / ||reference|| per tensor, 
 float32 reference on the same (bf16-rounded) inputs: < 1e-5 for float32, < 2e-2 for bf16.
 """
 
-import dataclasses
 import functools
 import re
 
@@ -19,6 +18,7 @@ import sharding
 import kernels
 from kernels import BlockSizes, flash_attention, reference
 from kernels.flash_attention import visit_counts
+from models import ComputeConfig
 from tests import parallel_harness
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -231,10 +231,10 @@ def test_sharded_train_step_with_kernels_equals_one_device():
   """pallas_flash attention (under shard_map: batch over data x fsdp, heads over tensor) and the
   chunked loss, in the real train step on data=2 x fsdp=2 x tensor=2 with 2 microbatches (the
   per-replica vmap), give the loss and gradients of one device with the XLA paths."""
-  model = dataclasses.replace(parallel_harness.MODEL, attention_impl="pallas_flash",
-                              loss_impl="chunked", loss_chunk_size=4)
+  compute = ComputeConfig(attention_impl="pallas_flash", loss_impl="chunked",
+                          loss_chunk_size=4)
   one = parallel_harness.run(sharding.MeshConfig(data=1), devices=jax.devices()[:1])
-  got = parallel_harness.run(sharding.MeshConfig(data=2, fsdp=2, tensor=2), model=model,
+  got = parallel_harness.run(sharding.MeshConfig(data=2, fsdp=2, tensor=2), compute=compute,
                              microbatches=2)
   np.testing.assert_allclose(got.losses, one.losses, rtol=1e-5)
   for a, b in zip(got.grads, one.grads):
@@ -245,9 +245,9 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
   """The kernel needs whole sequences per device: called on a sequence split over `context` it
   refuses; the model instead routes attention to the context-parallel kernels (ring), so a
   pallas_flash model still trains under context=2 (tests/test_context_parallel.py)."""
-  from models.attention import _flash_per_device
-  model = dataclasses.replace(parallel_harness.MODEL, attention_impl="pallas_flash")
-  cfg = parallel_harness.config(sharding.MeshConfig(data=4, context=2), model=model)
+  from models.attention import flash_per_device
+  cfg = parallel_harness.config(sharding.MeshConfig(data=4, context=2),
+                                compute=ComputeConfig(attention_impl="pallas_flash"))
   from trainer.trainer import Trainer
   trainer = Trainer(cfg)
   q = jax.ShapeDtypeStruct((8, 16, 16, 8), jnp.float32)
@@ -255,7 +255,7 @@ def test_the_kernel_refuses_a_split_sequence_and_context_parallelism_takes_over(
   segments = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   with trainer.scope(), pytest.raises(sharding.LayoutError,
                                         match="'seq' is split over context=2"):
-    jax.eval_shape(_flash_per_device(0), q, kv, kv, segments)
+    jax.eval_shape(flash_per_device(trainer.layout, 0), q, kv, kv, segments)
   with trainer.scope(), sharding.record_constraints():
     jax.eval_shape(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())
 

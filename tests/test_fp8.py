@@ -106,7 +106,7 @@ def test_fp8_gradients_and_history_updates_as_specified(operands):
 
 def fp8_config(mesh: MeshConfig, microbatches: int = 1):
   return harness.config(mesh, microbatches=microbatches,
-                        model=dataclasses.replace(harness.MODEL, fp8=FP8))
+                        compute=dataclasses.replace(harness.COMPUTE, fp8=FP8))
 
 
 def one_step(mesh: MeshConfig, devices=None, microbatches: int = 1):
@@ -179,8 +179,8 @@ def test_fp8_dots_in_the_cpu_program():
   such dot on the fp8 values widened to float32 (numerically the same dot)."""
   lowered = {}
   for fp8 in (False, True):
-    cfg = harness.config(MeshConfig(data=1, fsdp=8),
-                         model=dataclasses.replace(harness.MODEL, fp8=Fp8Config(enabled=fp8)))
+    cfg = harness.config(MeshConfig(data=1, fsdp=8), compute=dataclasses.replace(
+        harness.COMPUTE, fp8=Fp8Config(enabled=fp8)))
     trainer = Trainer(cfg)
     with trainer.scope():
       lowered[fp8] = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
@@ -200,7 +200,8 @@ def test_fp8_dots_in_the_h100_program(tmp_path):
   """Deviceless compile for 8 H100s (data=4 x tensor=2, bf16 compute): XLA:GPU keeps the dots on
   f8 operands (Triton/cuBLASLt fp8 GEMMs on sm_90)."""
   cfg = llama.debug()
-  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", fp8=FP8)
+  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16")
+  cfg.compute.fp8 = FP8
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=4, tensor=2), 8, 64
   hlo = tmp_path / "step.hlo"
   compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(hlo))  # the gpu-aot extra
@@ -236,9 +237,10 @@ from sharding import MeshConfig
 from tests import parallel_harness as harness
 from tests.test_fp8 import FP8
 from tests.test_parallel import relative_l2
-model = dataclasses.replace(harness.MODEL, fp8=FP8)
-ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model, microbatches=2)
-got = harness.run(MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2), model=model, microbatches=2)
+compute = dataclasses.replace(harness.COMPUTE, fp8=FP8)
+ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], compute=compute, microbatches=2)
+got = harness.run(MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2), compute=compute,
+                  microbatches=2)
 print(json.dumps(dict(
     losses=[got.losses, ref.losses],
     grads=max(relative_l2(a, b) for a, b in zip(got.grads, ref.grads)),
@@ -281,9 +283,10 @@ def fsdp8_collectives(tmp_path, fp8: Fp8Config, microbatches: int = 1, width: in
   (MLP 2x and 8 heads of 32, or from 1024 wide MLP 4x and 16 heads of 64)."""
   cfg = llama.debug()
   heads, head_dim, mlp = (8, 32, 2 * width) if width < 1024 else (16, 64, 4 * width)
-  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", fp8=fp8,
+  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16",
                                   embed_dim=width, mlp_dim=mlp, head_dim=head_dim,
                                   num_heads=heads, num_kv_heads=heads)
+  cfg.compute.fp8 = fp8
   cfg.mesh, cfg.microbatches = MeshConfig(data=1, fsdp=8), microbatches
   cfg.batch_size, cfg.seq_len = 8 * microbatches, 64
   path = tmp_path / f"{fp8.enabled}-{fp8.recipe}-{microbatches}-{width}.hlo"

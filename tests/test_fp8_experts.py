@@ -28,6 +28,7 @@ from flax import nnx
 import sharding
 import sharding.expert
 from configs import moe as moe_configs
+from models import ComputeConfig
 from models.config import ModelConfig
 from models.fp8.config import Fp8Config
 from models.fp8.grouped import RECIPES, GemmAxes, quantized_grouped
@@ -138,14 +139,30 @@ def test_xla_cpu_runs_an_f8_ragged_dot_as_an_exact_float32_dot():
   assert rel(np.asarray(got)[:ends[-1]], want) <= 1e-6
 
 
-def grouped_ffn(experts: Experts, impl: str):
-  """The dropless region with fixed routing: (y, its vjp at c) of x, mixing weights, params."""
+def grouped_ffn(experts: Experts, impl: str, layout: sharding.Layout = sharding.Layout()):
+  """The dropless region with fixed routing: (y, its vjp at c) of x, mixing weights, params;
+  on `layout`'s mesh (default: one device's, no mesh)."""
   def run(x, ids, weights, params, c):
     y, pullback = jax.vjp(lambda x, weights, params: dropless_experts(
-        experts.grouped, x, ids, weights, params, Experts.NAMES, num_experts=MOE.num_experts,
-        partial_over="mlp", check_vma=impl != "pallas"), x, weights, params)
+        layout, experts.grouped, x, ids, weights, params, Experts.NAMES,
+        num_experts=MOE.num_experts, partial_over="mlp", check_vma=impl != "pallas"),
+        x, weights, params)
     return y, pullback(c)
   return run
+
+
+def fp8_experts(recipe: str, impl: str) -> tuple[ModelConfig, ComputeConfig, Experts]:
+  """The harness model with MOE's experts on grouped matmul `impl` in fp8 (`recipe`), and its
+  experts built on one device."""
+  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=impl))
+  compute = ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe, targets="experts"))
+  return cfg, compute, Experts(cfg, compute, sharding.local_layout(cfg, compute),
+                               rngs=nnx.Rngs(0))
+
+
+def mesh_layout(name: str, cfg: ModelConfig, compute: ComputeConfig) -> sharding.Layout:
+  """The resolved layout of LAYOUTS[name] for ffn_inputs' batch."""
+  return sharding.resolve(LAYOUTS[name], jax.devices(), cfg, compute, batch_size=8, seq_len=16)
 
 
 def ffn_inputs(cfg: ModelConfig):
@@ -168,14 +185,13 @@ def test_sharded_grouped_fp8_ffn_equals_one_device(recipe, impl, layout):
   """Output and gradients (tokens, mixing weights, the three expert weights) of the dropless
   region in fp8 under expert parallelism equal one device's: each amax is reduced over the mesh
   axes its elements lie on (sharding.expert.ExpertAxes)."""
-  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=impl),
-                            fp8=Fp8Config(enabled=True, recipe=recipe, targets="experts"))
-  experts = Experts(cfg, rngs=nnx.Rngs(0))
+  cfg, compute, experts = fp8_experts(recipe, impl)
   x, ids, weights, c = ffn_inputs(cfg)
   args = (x, ids, weights, experts.weights(), c)
   want = jax.tree.leaves(jax.jit(grouped_ffn(experts, impl))(*args))
-  with sharding.use_rules(sharding.make_mesh(LAYOUTS[layout])):
-    got = jax.tree.leaves(jax.jit(grouped_ffn(experts, impl))(*args))  # a fresh trace
+  mesh = mesh_layout(layout, cfg, compute)
+  with mesh.scope():
+    got = jax.tree.leaves(jax.jit(grouped_ffn(experts, impl, mesh))(*args))
   assert len(got) == len(want) == 6
   for a, b in zip(got, want):
     assert rel(a, b) <= 1e-6
@@ -189,16 +205,14 @@ def test_grouped_fp8_ffn_under_the_replicas_vmap_equals_each_replica_alone(recip
   dense projections' current-scaling recipes do under that vmap, and equals that replica run
   alone on one device. (The ragged_dot path failed this vmap's varying-axes check until
   sharding/expert.py typed the weights it broadcasts over the replicas like the rows.)"""
-  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul="ragged_dot"),
-                            fp8=Fp8Config(enabled=True, recipe=recipe, targets="experts"))
-  experts = Experts(cfg, rngs=nnx.Rngs(0))
+  cfg, compute, experts = fp8_experts(recipe, "ragged_dot")
   x, ids, weights, c = (a.reshape(2, a.shape[0] // 2, *a.shape[1:]) for a in ffn_inputs(cfg))
   stacked = [p[None] for p in experts.weights()]  # a layer stack of one
 
-  def make():
+  def make(layout=sharding.Layout()):
     def run(x, ids, weights, stacked, c):
       def layers(x, weights, stacked):
-        step = lambda _, params: (None, grouped_ffn(experts, "ragged_dot")(
+        step = lambda _, params: (None, grouped_ffn(experts, "ragged_dot", layout)(
             x, ids, weights, params, c))
         return jax.lax.scan(step, None, stacked)[1]
       return jax.tree.map(lambda a: a[0], layers(x, weights, stacked))
@@ -206,9 +220,10 @@ def test_grouped_fp8_ffn_under_the_replicas_vmap_equals_each_replica_alone(recip
 
   alone = [jax.tree.leaves(jax.jit(make())(x[r], ids[r], weights[r], stacked, c[r]))
            for r in range(2)]
-  with sharding.use_rules(sharding.make_mesh(LAYOUTS["expert=2,tensor=2,data=2"])):
+  mesh = mesh_layout("expert=2,tensor=2,data=2", cfg, compute)
+  with mesh.scope():
     with sharding.excluding(("data",)):
-      got = jax.jit(jax.vmap(make(), in_axes=(0, 0, 0, None, 0), spmd_axis_name="data"))(
+      got = jax.jit(jax.vmap(make(mesh), in_axes=(0, 0, 0, None, 0), spmd_axis_name="data"))(
           x, ids, weights, stacked, c)
   assert len(jax.tree.leaves(got)) == 6
   for a, *per_replica in zip(jax.tree.leaves(got), *alone):
@@ -218,23 +233,24 @@ def test_grouped_fp8_ffn_under_the_replicas_vmap_equals_each_replica_alone(recip
 def test_the_layout_check_sees_missing_amax_reductions(monkeypatch):
   """Not vacuous: with no axes handed to the expert FFN (each device scaling by its own amaxes)
   the rowwise FFN under expert=2 x tensor=2 x data=2 is percents off one device."""
-  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul="ragged_dot"),
-                            fp8=Fp8Config(enabled=True, recipe="rowwise", targets="experts"))
-  experts = Experts(cfg, rngs=nnx.Rngs(0))
+  cfg, compute, experts = fp8_experts("rowwise", "ragged_dot")
   x, ids, weights, c = ffn_inputs(cfg)
   args = (x, ids, weights, experts.weights(), c)
   want = jax.tree.leaves(jax.jit(grouped_ffn(experts, "ragged_dot"))(*args))
   none = sharding.expert.ExpertAxes()
   monkeypatch.setattr(sharding.expert, "ExpertAxes", lambda *_: none)
-  with sharding.use_rules(sharding.make_mesh(LAYOUTS["expert=2,tensor=2,data=2"])):
-    got = jax.tree.leaves(jax.jit(grouped_ffn(experts, "ragged_dot"))(*args))
+  mesh = mesh_layout("expert=2,tensor=2,data=2", cfg, compute)
+  with mesh.scope():
+    got = jax.tree.leaves(jax.jit(grouped_ffn(experts, "ragged_dot", mesh))(*args))
   assert min(rel(a, b) for a, b in zip(got, want)) > 1e-2
 
 
 def moe_layer(recipe: str | None, dispatch: str = "dropless", capacity_factor: float = 1.25):
-  fp8 = Fp8Config(enabled=recipe is not None, recipe=recipe or "delayed", targets="experts")
+  compute = ComputeConfig(fp8=Fp8Config(enabled=recipe is not None, recipe=recipe or "delayed",
+                                         targets="experts"))
   moe = dataclasses.replace(MOE, dispatch=dispatch, capacity_factor=capacity_factor)
-  return nnx.split(MoE(dataclasses.replace(harness.MODEL, moe=moe, fp8=fp8), rngs=nnx.Rngs(0)))
+  cfg = dataclasses.replace(harness.MODEL, moe=moe)
+  return nnx.split(MoE(cfg, compute, sharding.local_layout(cfg, compute), rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -277,20 +293,21 @@ def test_fp8_dropless_layer_against_float32_and_the_einsum_dispatch(recipe):
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_dropless_refuses_delayed_and_blockwise_in_one_line(recipe):
-  model = dataclasses.replace(harness.MODEL, moe=MOE, fp8=Fp8Config(enabled=True, recipe=recipe))
+  model = dataclasses.replace(harness.MODEL, moe=MOE)
+  compute = ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe))
   with pytest.raises(ValueError) as error:
-    model.validate()
+    compute.validate(model)
   message = str(error.value)
   assert f"compute.fp8.recipe={recipe!r}" in message and "dropless" in message
   assert "\n" not in message
   # Fine with the einsum dispatch, or with the experts out of fp8.
-  dataclasses.replace(model, moe=dataclasses.replace(MOE, dispatch="dropping")).validate()
-  dataclasses.replace(model, fp8=Fp8Config(enabled=True, recipe=recipe,
-                                           targets="attention,mlp")).validate()
+  compute.validate(dataclasses.replace(model, moe=dataclasses.replace(MOE, dispatch="dropping")))
+  ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe,
+                              targets="attention,mlp")).validate(model)
   # A model built for the einsum dispatch and called dropless refuses too, not silently bf16.
-  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, dispatch="dropping"),
-                            fp8=Fp8Config(enabled=True, recipe=recipe, targets="experts"))
-  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, dispatch="dropping"))
+  compute = ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe, targets="experts"))
+  layer = MoE(cfg, compute, sharding.local_layout(cfg, compute), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="grouped"):
     layer(jnp.ones((2, 8, cfg.embed_dim)), "dropless")
 
@@ -313,10 +330,10 @@ def test_dropless_fp8_trains_under_expert_parallelism_like_one_device(layout):
       "pipeline=2,expert=2,data=2,ga=2": (MeshConfig(data=2, pipeline=2, expert=2),
                                           dict(microbatches=2))}[layout]
   for recipe in RECIPES:
-    model = dataclasses.replace(harness.MODEL, fp8=Fp8Config(enabled=True, recipe=recipe,
-                                                             targets="experts"))
-    ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model, moe=MOE)
-    got = harness.run(mesh_cfg, model=model, moe=MOE, **options)
+    compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe=recipe,
+                                                                 targets="experts"))
+    ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], compute=compute, moe=MOE)
+    got = harness.run(mesh_cfg, compute=compute, moe=MOE, **options)
     assert ref.losses[-1] < ref.losses[0], recipe
     if not options:
       np.testing.assert_allclose(got.losses[0], ref.losses[0], rtol=LOSS_RTOL, err_msg=recipe)
@@ -325,9 +342,10 @@ def test_dropless_fp8_trains_under_expert_parallelism_like_one_device(layout):
 
 def triton_dots(text: str, kernel: str) -> list[str]:
   """The tt.dot lines of each Triton custom call named `kernel` in an HLO text (its Triton IR,
-  MLIR bytecode in the backend config, parsed with the Pallas lowering's dialects)."""
-  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  from jax._src.pallas.triton import lowering  # pylint: disable=import-outside-toplevel
+  MLIR bytecode in the backend config, parsed in JAX's MLIR context with Triton's dialect)."""
+  from jax.extend.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
+  from jaxlib.triton import dialect  # pylint: disable=import-outside-toplevel
   out = []
   for line in text.splitlines():
     if "gpu.triton" not in line or f"/{kernel}/pallas_call" not in line:
@@ -336,7 +354,10 @@ def triton_dots(text: str, kernel: str) -> list[str]:
     raw = re.sub(rb"\\([0-9A-Fa-f]{2})", lambda m: bytes([int(m.group(1), 16)]),
                  escaped.encode("latin-1"))
     raw = raw.replace(b'\\"', b'"').replace(b"\\\\", b"\\")
-    with lowering._new_ir_context():  # pylint: disable=protected-access
+    context = mlir.make_ir_context()  # JAX's dialects, and Triton's registered into it
+    dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
       module = str(ir.Module.parse(raw))
     out.append([l for l in module.splitlines() if "tt.dot" in l])
   return out
@@ -353,9 +374,8 @@ def test_expert_gemms_are_f8_in_the_h100_program(impl, tmp_path):
   cfg = moe_configs.debug_moe()
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=1, expert=4, fsdp=2), 16, 64
   moe = dataclasses.replace(cfg.model.moe, dispatch="dropless", grouped_matmul=impl)
-  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", moe=moe,
-                                  fp8=Fp8Config(enabled=True, recipe="rowwise",
-                                                targets="experts"))
+  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", moe=moe)
+  cfg.compute.fp8 = Fp8Config(enabled=True, recipe="rowwise", targets="experts")
   hlo = tmp_path / "step.hlo"
   compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(hlo))
   text = hlo.read_text()

@@ -61,8 +61,8 @@ def h100_program(tmp_path, recipe: str, xla_options: str = "", config_path: str 
   """The optimized HLO of a 2-layer bf16 debug Llama's train step in fp8 for 8 H100s
   (data=4 x tensor=2)."""
   cfg = llama.debug()
-  fp8 = Fp8Config(enabled=True, recipe=recipe)
-  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16", fp8=fp8)
+  cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16")
+  cfg.compute.fp8 = Fp8Config(enabled=True, recipe=recipe)
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=4, tensor=2), 8, 64
   cfg.xla_options = xla_options
   target = compiled.parse_gpu_target("h100x8")

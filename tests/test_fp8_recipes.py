@@ -32,7 +32,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import param_names
+from models import ComputeConfig, param_names
 from models.fp8.config import FP8_RECIPES, Fp8Config
 from models.fp8.delayed import E4M3, E5M2, FP8_HISTORY, fp8_einsum, transposed
 from models.fp8.current import RECIPES, Gemm, quantize_operand, quantized_einsum
@@ -205,15 +205,17 @@ def test_recipe_settings_validate_in_one_line():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_current_recipes_keep_no_amax_histories(recipe):
-  model = dataclasses.replace(harness.MODEL, fp8=Fp8Config(enabled=True, recipe=recipe))
-  names = jax.tree.leaves(param_names(model), is_leaf=lambda n: isinstance(n, tuple))
-  delayed = dataclasses.replace(model, fp8=Fp8Config(enabled=True))
+  model = harness.MODEL
+  compute = ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe))
+  names = jax.tree.leaves(param_names(model, compute), is_leaf=lambda n: isinstance(n, tuple))
+  delayed = ComputeConfig(fp8=Fp8Config(enabled=True))
   assert not any(FP8_HISTORY in n for n in names)
-  assert len(jax.tree.leaves(param_names(delayed), is_leaf=lambda n: isinstance(n, tuple))) == \
+  assert len(jax.tree.leaves(param_names(model, delayed),
+                             is_leaf=lambda n: isinstance(n, tuple))) == \
       len(names) + 7 * 3  # the delayed recipe's histories: 7 projections x (x, w, g)
   # ... and the memory estimate counts none for them.
   assert optimizer_cost.fp8_state_elements(model, 16, recipe=recipe) == 0
-  assert optimizer_cost.fp8_state_elements(delayed, 16) == 3 * 16 * 7 * model.num_layers
+  assert optimizer_cost.fp8_state_elements(model, 16) == 3 * 16 * 7 * model.num_layers
 
 
 def test_blockwise_trains_close_to_bf16_short():
@@ -278,11 +280,12 @@ from tests import parallel_harness as harness
 layout, microbatches = json.loads(sys.argv[1]), int(sys.argv[2])
 out = {}
 for recipe in sys.argv[3:]:
-  model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256,
-                              fp8=Fp8Config(enabled=True, recipe=recipe))
+  model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256)
+  compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe=recipe))
   ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model,
+                    compute=compute, microbatches=microbatches)
+  got = harness.run(MeshConfig(**layout), model=model, compute=compute,
                     microbatches=microbatches)
-  got = harness.run(MeshConfig(**layout), model=model, microbatches=microbatches)
   out[recipe] = [got.losses, ref.losses]
 print(json.dumps(out))
 """
@@ -331,10 +334,10 @@ def test_recipe_dots_are_fp8_inside_the_pipeline_stages(recipe):
   """The pipelined step (pipeline=2 x tensor=2 x fsdp=2, 2 microbatches) XLA receives runs every
   projection dot of the stages on f8 operands, forward (e4m3) and backward (e5m2), like the
   step without a pipeline."""
-  model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256,
-                              fp8=Fp8Config(enabled=True, recipe=recipe))
+  model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256)
+  compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe=recipe))
   cfg = harness.config(MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2), microbatches=2,
-                       model=model)
+                       model=model, compute=compute)
   trainer = Trainer(cfg)
   with trainer.scope():
     text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).as_text()

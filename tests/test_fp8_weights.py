@@ -14,11 +14,12 @@ import pytest
 from flax import nnx
 
 from configs import llama
-from models import builder
+from models import ComputeConfig, builder
 from models.fp8.config import Fp8Config
 from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
 from models.fp8.current import quantize_weight as tensorwise_weight, quantized_einsum
 from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights
+from sharding import Layout
 from trainer.config import StepConfig
 from trainer.step import make_grads_fn, make_loss_sums
 
@@ -63,9 +64,10 @@ def test_a_weight_quantized_beforehand_gives_the_same_numbers(operands):
 
 
 def small_model(recipe: str):
+  """(the model config, its compute config with every projection in fp8 by `recipe`)."""
   cfg = llama.debug().model
-  return dataclasses.replace(cfg, num_layers=2, dtype="bfloat16",
-                             fp8=Fp8Config(enabled=True, recipe=recipe, amax_history=4))
+  return (dataclasses.replace(cfg, num_layers=2, dtype="bfloat16"),
+          ComputeConfig(fp8=Fp8Config(enabled=True, recipe=recipe, amax_history=4)))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -73,9 +75,9 @@ def test_the_model_with_its_weights_quantized_once_equals_quantizing_in_each_gem
   """A whole model (layer stack scanned, every projection in fp8): one QuantizedWeight per fp8
   projection, with a scale per layer of its stack; the loss and every gradient (histories
   included) are bit-identical with and without them."""
-  model_cfg = small_model(recipe)
-  graphdef, _ = builder.abstract_model(model_cfg)
-  params = builder.init_params(model_cfg, jax.random.key(0))
+  model_cfg, compute = small_model(recipe)
+  graphdef, _ = builder.abstract_model(model_cfg, compute)
+  params = builder.init_params(model_cfg, jax.random.key(0), compute)
   weights = quantize_weights(nnx.merge(graphdef, params))
   layers = model_cfg.num_layers
   assert len(weights) == 7 and all(w.scale.shape == (layers,) for w in weights.values())
@@ -85,7 +87,7 @@ def test_the_model_with_its_weights_quantized_once_equals_quantizing_in_each_gem
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
            "positions": np.tile(np.arange(32, dtype=np.int32), (2, 1)),
            "segment_ids": np.ones((2, 32), np.int32), "loss_mask": np.ones((2, 32), np.float32)}
-  grad = jax.jit(jax.grad(make_loss_sums(graphdef, StepConfig()), has_aux=True))
+  grad = jax.jit(jax.grad(make_loss_sums(graphdef, Layout(), StepConfig()), has_aux=True))
   per_gemm, stats = grad(params, batch)
   once, stats_once = grad(params, batch, weights)
   np.testing.assert_array_equal(stats["loss_sum"], stats_once["loss_sum"])
@@ -114,15 +116,15 @@ def _weight_converts(jaxpr, shapes, inside_scan=False, found=None):
 def test_the_microbatch_loop_quantizes_no_weight(recipe):
   """With 2 microbatches, tensorwise quantizes every weight before the loop and none inside it;
   rowwise (two quantizations per weight, one per GEMM contraction) quantizes inside it."""
-  model_cfg = small_model(recipe)
-  graphdef, abstract = builder.abstract_model(model_cfg)
-  names = builder.param_names(model_cfg)
+  model_cfg, compute = small_model(recipe)
+  graphdef, abstract = builder.abstract_model(model_cfg, compute)
+  names = builder.param_names(model_cfg, compute)
   params = abstract
-  grads_fn = make_grads_fn(graphdef, names, StepConfig(microbatches=2))
+  grads_fn = make_grads_fn(graphdef, names, Layout(microbatches=2), StepConfig())
   batch = {k: jax.ShapeDtypeStruct((4, 32), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
   jaxpr = jax.make_jaxpr(grads_fn)(params, batch).jaxpr
-  tensorwise, _ = builder.abstract_model(small_model("tensorwise"))
+  tensorwise, _ = builder.abstract_model(*small_model("tensorwise"))
   stacks = [w.q.shape for w in jax.eval_shape(
       lambda p: quantize_weights(nnx.merge(tensorwise, p)), abstract).values()]
   found = _weight_converts(jaxpr, {*stacks, *(s[1:] for s in stacks)})

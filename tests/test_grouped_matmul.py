@@ -12,6 +12,7 @@ from flax import nnx
 
 import sharding
 from kernels.grouped_matmul import GroupedBlocks, grouped_matmul
+from models import ComputeConfig
 from models.moe import MoE
 from sharding import MeshConfig
 from tests import parallel_harness as harness
@@ -68,13 +69,17 @@ def test_the_moe_runs_the_kernel_under_expert_parallelism():
   results = {}
   for impl in ("ragged_dot", "pallas"):
     cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=impl))
-    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    # Built for the mesh: the dropless region takes its mesh and kernel from the layout.
+    layout = sharding.resolve(MeshConfig(data=1, expert=4, fsdp=2), jax.devices(), cfg,
+                              batch_size=8, seq_len=16)
+    assert layout.grouped_matmul == impl
+    graphdef, state = nnx.split(MoE(cfg, ComputeConfig(), layout, rngs=nnx.Rngs(0)))
 
     def loss(state, x, graphdef=graphdef):
       return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x, "dropless")[0]))
 
     step = jax.value_and_grad(loss, argnums=(0, 1))
-    with sharding.use_rules(sharding.make_mesh(MeshConfig(data=1, expert=4, fsdp=2))):
+    with layout.scope():
       assert ("pallas_call" in str(jax.make_jaxpr(step)(state, x))) == (impl == "pallas")
       results[impl] = jax.jit(step)(state, x)
   (want_loss, want_grads), (got_loss, got_grads) = results["ragged_dot"], results["pallas"]

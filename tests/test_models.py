@@ -1,7 +1,5 @@
 """The Llama model: parameter counts, causality, packing, scan vs unrolled, remat, RoPE scaling."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +8,7 @@ from flax import nnx
 
 import kernels
 from configs import llama
-from models import ModelConfig, abstract_model, param_names
+from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from models.builder import init_params
 from models.rope import inverse_frequencies
 
@@ -18,8 +16,8 @@ TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_k
                    head_dim=8, mlp_dim=64)
 
 
-def _apply(cfg, params, tokens, positions=None, segment_ids=None):
-  graphdef, _ = abstract_model(cfg)
+def _apply(cfg, params, tokens, positions=None, segment_ids=None, compute=None):
+  graphdef, _ = abstract_model(cfg, compute)
   return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
 
 
@@ -104,26 +102,28 @@ def test_packed_documents_do_not_attend_across(tiny_params):
 
 
 def test_scanned_equals_unrolled(tiny_params):
-  unrolled = dataclasses.replace(TINY, scan_layers=False)
+  unrolled = ComputeConfig(scan_layers=False)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 16)), jnp.int32)
   jaxpr_scan = str(jax.make_jaxpr(lambda p: _apply(TINY, p, tokens))(tiny_params))
-  jaxpr_loop = str(jax.make_jaxpr(lambda p: _apply(unrolled, p, tokens))(tiny_params))
+  jaxpr_loop = str(jax.make_jaxpr(
+      lambda p: _apply(TINY, p, tokens, compute=unrolled))(tiny_params))
   assert "scan" in jaxpr_scan and "scan" not in jaxpr_loop
   np.testing.assert_allclose(_apply(TINY, tiny_params, tokens),
-                             _apply(unrolled, tiny_params, tokens), rtol=0, atol=1e-5)
+                             _apply(TINY, tiny_params, tokens, compute=unrolled), rtol=0,
+                             atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_remat_gives_same_loss_and_grads(tiny_params, policy):
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 16)), jnp.int32)
 
-  def loss_fn(cfg):
+  def loss_fn(compute):
     def loss(params):
-      logits = _apply(cfg, params, tokens).astype(jnp.float32)
+      logits = _apply(TINY, params, tokens, compute=compute).astype(jnp.float32)
       return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
     return jax.jit(jax.value_and_grad(loss))
 
-  plain, remat = loss_fn(TINY), loss_fn(dataclasses.replace(TINY, remat=policy))
+  plain, remat = loss_fn(ComputeConfig()), loss_fn(ComputeConfig(remat=policy))
   hlo_plain = plain.lower(tiny_params).compile().as_text()
   hlo_remat = remat.lower(tiny_params).compile().as_text()
   assert hlo_plain != hlo_remat  # the two programs really differ

@@ -14,7 +14,7 @@ from flax import nnx
 
 import sharding
 from configs import moe as moe_configs
-from models import ModelConfig, abstract_model, param_names
+from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from models.config import MoEConfig
 from models.moe import MoE, Router, capacity, dispatch_masks, limit_to_groups, update_bias
 from sharding.plan.estimate import model_spec
@@ -36,6 +36,11 @@ def with_moe(**changes) -> ModelConfig:
   return dataclasses.replace(BASE, moe=dataclasses.replace(NO_DROPS, **changes))
 
 
+def moe_layer(cfg: ModelConfig, seed: int) -> MoE:
+  """One MoE layer of `cfg` on one device (the default compute, kernels for JAX's backend)."""
+  return MoE(cfg, ComputeConfig(), sharding.local_layout(cfg), rngs=nnx.Rngs(seed))
+
+
 def tokens_x(seed=0, shape=(4, 16, 32)):
   return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
@@ -44,7 +49,7 @@ def tokens_x(seed=0, shape=(4, 16, 32)):
 def test_dispatch_paths_equal_the_dense_reference(router):
   """Dropping (capacity never reached) and dropless equal every-expert-on-every-token mixed by
   the router weights, forward and gradient (float32; measured errors ~1e-6 and ~1e-6)."""
-  layer = MoE(with_moe(router=router, bias_update_rate=0.01), rngs=nnx.Rngs(0))
+  layer = moe_layer(with_moe(router=router, bias_update_rate=0.01), 0)
   graphdef, state = nnx.split(layer)
   x = tokens_x()
 
@@ -111,7 +116,7 @@ def test_small_capacity_drops_exactly_the_late_assignments():
   np.testing.assert_allclose(np.asarray(combine).sum((2, 3)), (weights * kept).sum(-1),
                              rtol=1e-6)
   # Through the layer: the dropping output equals the reference with dropped weights zeroed.
-  layer = MoE(with_moe(capacity_factor=1.0, num_shared_experts=0), rngs=nnx.Rngs(3))
+  layer = moe_layer(with_moe(capacity_factor=1.0, num_shared_experts=0), 3)
   # Every token's logits are 0..7 (feature 0 is 1, the router reads only it): experts 7, 6.
   layer.router.w[...] = jnp.zeros((32, 8)).at[0].set(jnp.arange(8.0))
   x = tokens_x(3, (2, 16, 32)).at[..., 0].set(1.0)
@@ -157,17 +162,18 @@ def test_train_step_updates_bias_and_reports_moe_metrics():
   frozen = frozen_mask(names)
   assert jax.tree.leaves(frozen).count(True) == 1 and frozen["moe_layers"]["moe"]["router"]["bias"]
   tx, lr = make_optimizer(OptimConfig(learning_rate=0.1, warmup_steps=0), names, 10)
-  mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+  layout = sharding.resolve(sharding.MeshConfig(), jax.devices()[:1], cfg, batch_size=4,
+                            seq_len=16)
   rng = np.random.default_rng(5)
   tokens = rng.integers(0, 64, (4, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
            "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
            "segment_ids": np.ones((4, 16), np.int32), "loss_mask": np.ones((4, 16), np.float32)}
-  with sharding.use_rules(mesh):
-    graphdef, _ = abstract_model(cfg)
+  with layout.scope():
+    graphdef, _ = abstract_model(cfg, None, layout.in_train_step())
     state, _ = sharded_state(cfg, tx, names, seed=0)
-    new_state, metrics = jax.jit(make_train_step(graphdef, names, tx, lr,
-                                                 StepConfig.for_model(cfg)))(state, batch)
+    new_state, metrics = jax.jit(make_train_step(graphdef, names, tx, lr, layout,
+                                                 StepConfig()))(state, batch)
   delta = np.asarray(new_state.params["moe_layers"]["moe"]["router"]["bias"]
                      - state.params["moe_layers"]["moe"]["router"]["bias"])
   assert set(np.round(np.unique(delta) / 0.05).astype(int)) <= {-1, 0, 1} and delta.any()
@@ -177,7 +183,7 @@ def test_train_step_updates_bias_and_reports_moe_metrics():
   assert float(metrics["moe_aux_loss"]) >= 1.0 - 1e-6  # its minimum is 1 (uniform)
   tx = optax.sgd(0.1)
   dense_step = make_train_step(abstract_model(BASE)[0], param_names(BASE), tx, lambda s: 0.1,
-                               StepConfig.for_model(BASE))
+                               sharding.Layout(), StepConfig())
   _, dense_metrics = jax.eval_shape(dense_step, jax.eval_shape(make_init_fn(BASE, tx, 0)), batch)
   assert not any(k.startswith("moe") for k in dense_metrics)
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 import sharding
 from configs import moe as moe_configs
+from models import ComputeConfig
 from models.config import MoEConfig
 from models.moe import MoE
 from sharding import MeshConfig
@@ -131,8 +132,8 @@ def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
   text = path.read_text()
   # sharding.xla.hlo's report does not list ragged-all-to-all yet: count its executions with the
   # report's own loop-trip accounting (XLA peels some layer-loop iterations out of the loop).
-  comps, _ = hlo._parse(text)  # pylint: disable=protected-access
-  runs, _, _ = hlo._counts(comps)  # pylint: disable=protected-access
+  comps = hlo.computations(text)
+  runs = hlo.executions(comps)
   executions = sum(runs[c] for c, instrs in comps.items() for i in instrs
                    if i.op == "ragged-all-to-all-start")
   assert executions == 4 * cfg.model.moe_layers()
@@ -180,17 +181,23 @@ def test_ragged_exchange_offsets_against_emulated_collective(monkeypatch):
   per device with expert=4 x tensor=2)."""
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, exchange="ragged"))
-  graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+  compute = ComputeConfig()
+  graphdef, state = nnx.split(MoE(cfg, compute, sharding.local_layout(cfg), rngs=nnx.Rngs(0)))
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, cfg.embed_dim)), jnp.float32)
 
-  def loss(state, x, dispatch):
+  def loss(graphdef, state, x, dispatch):
     return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x, dispatch)[0]))
 
-  want = jax.value_and_grad(loss, argnums=(0, 1))(state, x, "dense")
+  want = jax.value_and_grad(functools.partial(loss, graphdef), argnums=(0, 1))(state, x,
+                                                                               "dense")
   for sizes in (dict(expert=8), dict(expert=4, tensor=2)):
-    with sharding.use_rules(sharding.make_mesh(M(**sizes))):
-      got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(state, x,
-                                                                               "dropless")
+    # The layer built for the mesh: its dropless exchange takes the mesh from its layout.
+    layout = sharding.resolve(M(**sizes), jax.devices(), cfg, compute, batch_size=8, seq_len=16)
+    assert layout.exchange == "ragged"
+    sharded, _ = nnx.split(MoE(cfg, compute, layout, rngs=nnx.Rngs(0)))
+    with layout.scope():
+      got = jax.jit(jax.value_and_grad(functools.partial(loss, sharded), argnums=(0, 1)),
+                    static_argnums=2)(state, x, "dropless")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
       assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import ModelConfig, abstract_model, hf, param_names
+from models import ComputeConfig, ModelConfig, abstract_model, hf, param_names
 from models.builder import init_params
 from models.config import MoEConfig
 from models.fp8.config import Fp8Config
 from configs import moe as moe_configs
 from sharding import MeshConfig
-from sharding.layout import Layout, layout_of
+from sharding import Layout, layout_of
 from sharding.plan import hardware, planner
 from sharding.plan.estimate import PLAYBOOK_MIXED, ModelSpec, memory, model_spec
 from tests import parallel_harness as harness
@@ -96,11 +96,11 @@ def reference_loss_sum(cfg: ModelConfig, params: dict, batch: dict) -> tuple[flo
 
 @pytest.mark.parametrize("loss_impl", ["dense", "chunked"])
 def test_depth_one_loss_equals_the_hand_computed_reference(loss_impl):
-  cfg = dataclasses.replace(TINY, loss_impl=loss_impl, loss_chunk_size=4)
-  params = init_params(cfg, jax.random.key(0))
+  cfg, compute = TINY, ComputeConfig(loss_impl=loss_impl, loss_chunk_size=4)
+  params = init_params(cfg, jax.random.key(0), compute)
   batch = packed_batch()
-  loss_sum, stats = jax.jit(make_loss_sums(abstract_model(cfg)[0], StepConfig.for_model(cfg)))(
-      params, batch)
+  loss_sum, stats = jax.jit(make_loss_sums(abstract_model(cfg, compute)[0], Layout(),
+                                           StepConfig()))(params, batch)
   want, want_mtp, mtp_tokens = reference_loss_sum(cfg, params, batch)
   # 15 in-row pairs (i, i + 1) a row = 60: 4 cross a document boundary, 5 end on a masked token
   # (row 0's position 5, and each first document's last token).
@@ -124,11 +124,11 @@ def test_depth_two_weight_zero_is_the_plain_model_and_the_weight_counts():
   for got, want in zip(jax.tree.leaves(main), jax.tree.leaves(init_params(plain, jax.random.key(1)))):
     np.testing.assert_array_equal(got, want)
   batch = packed_batch(1)
-  graphdef = abstract_model(deep)[0]
-  sums = {w: jax.jit(make_loss_sums(graphdef, StepConfig.for_model(
-      dataclasses.replace(deep, mtp_loss_weight=w))))(params, batch) for w in (0.0, 0.5)}
-  plain_sum, plain_stats = jax.jit(make_loss_sums(abstract_model(plain)[0],
-                                                  StepConfig.for_model(plain)))(main, batch)
+  # The MTP weight is the model config's: one graph definition per weight.
+  sums = {w: jax.jit(make_loss_sums(abstract_model(dataclasses.replace(
+      deep, mtp_loss_weight=w))[0], Layout(), StepConfig()))(params, batch) for w in (0.0, 0.5)}
+  plain_sum, plain_stats = jax.jit(make_loss_sums(abstract_model(plain)[0], Layout(),
+                                                  StepConfig()))(main, batch)
   assert "mtp_loss_sum" not in plain_stats
   assert float(sums[0.0][0]) == float(plain_sum)
   weighted, stats = sums[0.5]
@@ -260,8 +260,9 @@ def test_the_estimate_holds_the_modules_on_the_last_stage_for_one_microbatch():
   """Under pipeline stages the module adds its weights once and one microbatch's activations:
   the last stage runs it in each backward right after its forward (1F1B with 4 microbatches on
   2 stages keeps 2 in flight on the first)."""
-  cfg = dataclasses.replace(TINY, attention_impl="xla")
-  plain = dataclasses.replace(cfg, mtp_depth=0)
+  compute = ComputeConfig(attention_impl="xla")
+  cfg = model_spec(TINY, compute)
+  plain = model_spec(dataclasses.replace(TINY, mtp_depth=0), compute)
   added = lambda layout, part: (getattr(memory(cfg, layout, 16), part)
                                 - getattr(memory(plain, layout, 16), part))
   piped, flat = Layout(pipeline=2, microbatches=4), Layout(microbatches=4)
@@ -288,8 +289,8 @@ def test_the_planner_pipelines_deepseek_v3():
 
 def test_moe_block_router_losses_and_its_own_balancing_bias():
   params = init_params(MOE, jax.random.key(3))
-  step = StepConfig.for_model(MOE)
-  loss_sum, stats = jax.jit(make_loss_sums(abstract_model(MOE)[0], step))(params, packed_batch())
+  loss_sum, stats = jax.jit(make_loss_sums(abstract_model(MOE)[0], Layout(), StepConfig()))(
+      params, packed_batch())
   load = np.asarray(stats["mtp_moe_load"])
   assert load.shape == (1, 4) and load.sum() == B * L * 2  # every token to its top-2
   main = float(stats["nll_sum"]) + 0.01 * float(stats["moe_aux_sum"]) + \
@@ -325,9 +326,8 @@ def test_refused_settings():
   with pytest.raises(ValueError, match="mtp_depth and model.mtp_loss_weight must be >= 0"):
     dataclasses.replace(TINY, mtp_depth=-1).validate()
   with pytest.raises(ValueError, match="multi-token prediction modules share it"):
-    dataclasses.replace(TINY, fp8=Fp8Config(enabled=True, targets="head")).validate()
+    ComputeConfig(fp8=Fp8Config(enabled=True, targets="head")).validate(TINY)
   # A current-scaling recipe keeps no history, so the shared head may run in fp8.
-  dataclasses.replace(TINY, fp8=Fp8Config(enabled=True, recipe="tensorwise",
-                                          targets="head")).validate()
+  ComputeConfig(fp8=Fp8Config(enabled=True, recipe="tensorwise", targets="head")).validate(TINY)
   with pytest.raises(ValueError, match="init_from=hf.*mtp_depth=0"):
     TrainConfig(model=TINY, init_from="hf:/nowhere").validate()

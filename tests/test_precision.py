@@ -19,10 +19,10 @@ import numpy as np
 import optax
 import pytest
 
+from models import ComputeConfig
 from models.config import ModelConfig
-
 from models.fp8.config import Fp8Config
-from sharding import MeshConfig
+from sharding import Layout, MeshConfig
 from sharding.plan import estimate, optimizer_cost
 from tests import parallel_harness as harness
 from tests import training_runs
@@ -50,7 +50,7 @@ def test_bf16_gradient_accumulation_is_close_to_fp32():
   graphdef, state = one_device_state(tx)
   names, batch = param_names(TINY), random_batch(0)
   steps = {d: jax.jit(make_train_step(graphdef, names, tx, lambda s: 1.0,
-                                      StepConfig(microbatches=4, grad_accum_dtype=d)))
+                                      Layout(microbatches=4), StepConfig(grad_accum_dtype=d)))
            for d in ("float32", "bfloat16")}
   texts = {d: s.lower(state, batch).as_text() for d, s in steps.items()}
   assert texts["float32"] != texts["bfloat16"]
@@ -75,7 +75,7 @@ def test_bf16_gradient_accumulation_is_close_to_fp32():
     (lambda c: setattr(c.optim, "muon_ns_steps", 0), "optim.muon_ns_steps and"),
 ])
 def test_bad_precision_and_optimizer_settings_are_one_line_errors(change, message):
-  cfg = TrainConfig(model=ModelConfig(fp8=Fp8Config(enabled=True)))
+  cfg = TrainConfig(model=ModelConfig(), compute=ComputeConfig(fp8=Fp8Config(enabled=True)))
   cfg.validate()
   change(cfg)
   with pytest.raises(ValueError) as error:
@@ -90,8 +90,9 @@ CASES = {
                                        dict(dtype="bfloat16", param_dtype="bfloat16"), {}),
     "bf16 compute, bf16 accumulation, fsdp, ga=4": (
         dict(fsdp=8), dict(dtype="bfloat16"), dict(microbatches=4, grad_accum_dtype="bfloat16")),
-    "fp8, fsdp+tp": (dict(fsdp=4, tensor=2), dict(dtype="bfloat16", fp8=Fp8Config(enabled=True)),
-                     {}),
+    "fp8, fsdp+tp": (dict(fsdp=4, tensor=2), dict(dtype="bfloat16"),
+                     dict(compute=dataclasses.replace(harness.COMPUTE,
+                                                      fp8=Fp8Config(enabled=True)))),
     "muon, fsdp": (dict(fsdp=8), {}, dict(optim=OptimConfig(name="muon"))),
 }
 
@@ -108,13 +109,14 @@ def measured(name):
   with trainer.scope():
     stats = trainer.train_step.lower(trainer.abstract_state,
                                      trainer.abstract_batch()).compile().memory_analysis()
-  m, layout = cfg.model, cfg.layout(8)
+  m, layout, fp8_cfg = cfg.model, cfg.layout(8), cfg.compute.fp8
   precision = estimate.trainer_precision(m.dtype, m.param_dtype, cfg.grad_accum_dtype)
   estimator = optimizer_cost.muon_memory if cfg.optim.name == "muon" else estimate.memory
-  est = estimator(m, layout, cfg.seq_len, precision, workspace_bytes=0)
+  est = estimator(estimate.model_spec(m, cfg.compute), layout, cfg.seq_len, precision,
+                  workspace_bytes=0)
   # fp8 histories: float32 parameters with two (unused) AdamW moments, replicated.
   fp8 = 3 * 4 * optimizer_cost.fp8_state_elements(
-      m, m.fp8.amax_history, recipe=m.fp8.recipe) if m.fp8.enabled else 0
+      m, fp8_cfg.amax_history, recipe=fp8_cfg.recipe) if fp8_cfg.enabled else 0
   return stats, est, fp8, layout
 
 
@@ -136,7 +138,7 @@ def test_muon_needs_less_optimizer_state_than_adamw():
   """Muon keeps one momentum where AdamW keeps two moments (hidden matrices): the compiled
   arguments are smaller than AdamW's analytic state by the estimated difference."""
   stats, est, _, layout = measured("muon, fsdp")
-  adamw = estimate.memory(harness.MODEL, layout, harness.SEQ,
+  adamw = estimate.memory(estimate.model_spec(harness.MODEL, harness.COMPUTE), layout, harness.SEQ,
                           estimate.trainer_precision("float32"), workspace_bytes=0)
   assert est.optimizer < adamw.optimizer
   batch = 5 * harness.BATCH * harness.SEQ * 4 // layout.batch_shards

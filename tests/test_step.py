@@ -1,14 +1,12 @@
 """The pure train step: gradient accumulation, loss masking, optimizer pieces, single compile."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import sharding
-from models import ModelConfig, abstract_model, param_names
+from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from trainer import loss
 from trainer.config import OptimConfig, StepConfig
 from trainer.optim import decay_mask, make_optimizer, schedule
@@ -44,7 +42,7 @@ def test_gradient_accumulation_equals_one_big_batch():
   graphdef, state = one_device_state(tx)
   batch = random_batch(0)
   steps = {n: jax.jit(make_train_step(graphdef, param_names(TINY), tx, lambda s: 1.0,
-                                       StepConfig(microbatches=n)))
+                                       sharding.Layout(microbatches=n), StepConfig()))
            for n in (1, 4)}
   loops = {n: step.lower(state, batch).as_text().count("stablehlo.while") for n, step in steps.items()}
   assert loops[4] == loops[1] + 1  # really a scan over microbatches around the layer scan
@@ -94,15 +92,16 @@ def test_schedule_warmup_and_cosine():
 
 def test_train_step_compiles_once_and_learns():
   """Sharded in/out shardings make the state round-trip exactly: no recompile after step 1."""
-  mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])
-  cfg = dataclasses.replace(TINY, remat="full")
-  with sharding.use_rules(mesh):
-    names = param_names(cfg)
+  cfg, compute = TINY, ComputeConfig(remat="full")
+  layout = sharding.resolve(sharding.MeshConfig(fsdp=2, tensor=2), jax.devices()[:4], cfg,
+                            compute, batch_size=8, seq_len=16)
+  with layout.scope():
+    names = param_names(cfg, compute)
     tx, lr = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0), names, 10)
-    graphdef, _ = abstract_model(cfg)
+    graphdef, _ = abstract_model(cfg, compute, layout.in_train_step())
     state, shardings = sharded_state(cfg, tx, names, seed=0)
     batch_sharding = sharding.named_sharding(("batch", "seq"), (8, 16))
-    step = jax.jit(make_train_step(graphdef, names, tx, lr), donate_argnums=0,
+    step = jax.jit(make_train_step(graphdef, names, tx, lr, layout), donate_argnums=0,
                    in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, sharding.replicated()))
     batch = jax.device_put(random_batch(1), batch_sharding)

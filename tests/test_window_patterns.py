@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from kernels.ring_attention import ring_hops
+from models import ComputeConfig
 from models.config import ModelConfig
 from models.transformer import Transformer
 from sharding import MeshConfig
@@ -21,13 +22,13 @@ from tests.test_parallel import assert_same_training
 
 # 4 layers, window 3 over 16 tokens; every 2nd layer (1 and 3) attends fully (GPT-OSS's pattern).
 PATTERN = ModelConfig(vocab_size=64, embed_dim=32, num_layers=4, num_heads=4, num_kv_heads=2,
-                      head_dim=8, mlp_dim=48, sliding_window=3, full_attention_every=2,
-                      attention_impl="xla")
+                      head_dim=8, mlp_dim=48, sliding_window=3, full_attention_every=2)
+XLA = ComputeConfig(attention_impl="xla")
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int32)
 
 
-def logits(cfg, params=None):
-  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+def logits(cfg, params=None, compute=XLA):
+  graphdef, state = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
   return np.asarray(nnx.merge(graphdef, state if params is None else params)(TOKENS)), state
 
 
@@ -35,7 +36,7 @@ def test_each_layer_attends_through_its_own_window():
   """The model's logits equal its blocks run one by one with windows 3, full, 3, full; in the
   unrolled model with remat too; and differ from a window in every layer and from none."""
   got, _ = logits(PATTERN)
-  model = Transformer(PATTERN, rngs=nnx.Rngs(0))
+  model = Transformer(PATTERN, XLA, rngs=nnx.Rngs(0))
   graphdef, stacked = nnx.split(model.layers)
   x = model.embed_tokens(TOKENS)
   positions = jnp.broadcast_to(jnp.arange(16), TOKENS.shape)
@@ -43,7 +44,8 @@ def test_each_layer_attends_through_its_own_window():
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], stacked))
     x = block(x, positions, None, window=0 if layer % 2 else 3)
   np.testing.assert_allclose(got, model.logits(model.final_norm(x)), atol=1e-5)
-  unrolled, _ = logits(dataclasses.replace(PATTERN, scan_layers=False, remat="full"))
+  unrolled, _ = logits(PATTERN, compute=dataclasses.replace(XLA, scan_layers=False,
+                                                            remat="full"))
   np.testing.assert_allclose(unrolled, got, atol=1e-5)
   for other in (dict(full_attention_every=0), dict(sliding_window=0, full_attention_every=0)):
     assert np.abs(logits(dataclasses.replace(PATTERN, **other))[0] - got).max() > 0.1
@@ -54,7 +56,7 @@ def test_the_pattern_runs_in_the_flash_kernel_and_xla_lowering():
   logits with the same weights."""
   want, params = logits(PATTERN)
   for impl in ("pallas_flash", "dot_product"):
-    got, _ = logits(dataclasses.replace(PATTERN, attention_impl=impl), params)
+    got, _ = logits(PATTERN, params, ComputeConfig(attention_impl=impl))
     assert np.abs(got - want).max() < 1e-5, impl
 
 
@@ -81,8 +83,9 @@ def test_the_estimator_counts_the_windows_work_and_hops():
   assert attention_span(seq, window) == pytest.approx(2 * keys, rel=1e-3)
   assert attention_span(seq, window, 4) == pytest.approx((3 * 2 * keys + seq) / 4, rel=1e-3)
   assert attention_span(seq, 0) == attention_span(seq, 2 * seq) == seq
-  mistral = model_spec(dataclasses.replace(PATTERN, full_attention_every=0, sliding_window=window))
-  pattern = model_spec(dataclasses.replace(PATTERN, sliding_window=window))
+  mistral = model_spec(dataclasses.replace(PATTERN, full_attention_every=0, sliding_window=window),
+                       XLA)
+  pattern = model_spec(dataclasses.replace(PATTERN, sliding_window=window), XLA)
   for context in (2, 4, 8, 16):
     windowed = ring_hops(context, seq // context, window, contiguous=True)
     assert hardware.ring_hops(mistral, context, seq) == windowed
@@ -90,4 +93,5 @@ def test_the_estimator_counts_the_windows_work_and_hops():
   assert hardware.ring_hops(mistral, 16, seq) == 4 < 15  # the window really saves hops
   full = dataclasses.replace(PATTERN, sliding_window=0, full_attention_every=0)
   assert PATTERN.flops_per_token(seq) < full.flops_per_token(seq)
-  assert model_spec(PATTERN).flops_per_token(seq) == pytest.approx(PATTERN.flops_per_token(seq))
+  assert model_spec(PATTERN, XLA).flops_per_token(seq) == pytest.approx(
+      PATTERN.flops_per_token(seq))

@@ -229,6 +229,12 @@ def _constant_of(instrs: list[Instr], names: list[str], index: int) -> int | Non
   return int(m.group(1)) if m else None
 
 
+def executions(comps: dict[str, list[Instr]]) -> dict[str, int]:
+  """Executions per program run of each computation of `computations(...)`, as `collectives`
+  counts them (for ops that it does not list, e.g. ragged-all-to-all)."""
+  return _counts(comps)[0]
+
+
 def _counts(comps: dict[str, list[_Instr]]) -> tuple[dict[str, int], dict[str, bool], set[str]]:
   """Executions per program run of each computation, its unknown-trip flag, async wrappers.
 
