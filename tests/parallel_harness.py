@@ -99,9 +99,11 @@ def compile_step(mesh_cfg: sharding.MeshConfig, **kw):
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
 
 
-def sharded_state(model_cfg: ModelConfig, tx, names, seed: int = 0):
+def sharded_state(model_cfg: ModelConfig, tx, names, seed: int = 0,
+                  compute: ComputeConfig | None = None):
   """(train state initialized directly into its shardings, the shardings) in the current sharding
-  context, as a Trainer does, for tests that drive the step functions themselves."""
-  init = make_init_fn(model_cfg, tx, seed)
+  scope, as a Trainer does, for tests that drive the step functions themselves; `compute`
+  decides the fp8 state among the parameters."""
+  init = make_init_fn(model_cfg, tx, seed, compute=compute)
   shardings = state_shardings(jax.eval_shape(init), names, tx)
   return jax.jit(init, out_shardings=shardings)(), shardings
