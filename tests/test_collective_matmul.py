@@ -2,6 +2,7 @@
 and N - 1 collective-permutes interleaved with matmuls in the compiled 8xH100 program."""
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -25,10 +26,21 @@ MLP = ("batch", "seq", "act_mlp")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def context(sequence_parallel=True, **mesh):
-  m = sharding.make_mesh(sharding.MeshConfig(**{"data": 1, **mesh}))
+def layout_of(sequence_parallel=True, **mesh) -> sharding.Layout:
+  """A layout on the 8 devices with these mesh sizes, its rules with or without sequence
+  parallelism (what the collective matmuls take their mesh from; `.scope()` for the specs)."""
+  cfg = sharding.MeshConfig(**{"data": 1, **mesh})
   rules = sharding.layout_rules(sharding.DEFAULT_RULES, sequence_parallel=sequence_parallel)
-  return sharding.use_rules(m, rules)
+  return sharding.Layout(**sharding.resolve_sizes(cfg, 8), sequence_parallel=sequence_parallel,
+                         mesh=sharding.make_mesh(cfg), rules=rules)
+
+
+def gather_matmul(layout):
+  return functools.partial(cm.logical_all_gather_matmul, layout)
+
+
+def matmul_scatter(layout):
+  return functools.partial(cm.logical_matmul_reduce_scatter, layout)
 
 
 def plain(x, w, x_names, out_names, contract=1):
@@ -40,7 +52,7 @@ def plain(x, w, x_names, out_names, contract=1):
 
 
 def check(fn, x, w, x_names, out_names, contract=1):
-  """fn == plain matmul, forward and the gradient of a nonlinear loss, in the current context."""
+  """fn == plain matmul, forward and the gradient of a nonlinear loss, in the current scope."""
   ref = plain(x, w, x_names, out_names, contract)
   got = jax.jit(lambda x, w: fn(x, w, x_names, out_names, contract=contract))
   np.testing.assert_allclose(got(x, w), ref(x, w), **TOL)
@@ -60,8 +72,9 @@ def arrays(*shapes):
                                   dict(data=2, tensor=2, context=2)])
 def test_all_gather_matmul_equals_the_sharded_matmul(mesh):
   x, w = arrays((4, 32, 16), (16, 24))
-  with context(**mesh):
-    got = check(cm.logical_all_gather_matmul, x, w, RES, MLP)
+  layout = layout_of(**mesh)
+  with layout.scope():
+    got = check(gather_matmul(layout), x, w, RES, MLP)
     text = got.lower(x, w).compile().as_text()
   assert "collective-permute" in text
 
@@ -69,43 +82,46 @@ def test_all_gather_matmul_equals_the_sharded_matmul(mesh):
 @pytest.mark.parametrize("mesh", [dict(tensor=8), dict(fsdp=2, tensor=4)])
 def test_matmul_reduce_scatter_equals_the_sharded_matmul(mesh):
   h, w = arrays((4, 32, 24), (24, 16))
-  with context(**mesh):
-    check(cm.logical_matmul_reduce_scatter, h, w, MLP, RES)
+  layout = layout_of(**mesh)
+  with layout.scope():
+    check(matmul_scatter(layout), h, w, MLP, RES)
 
 
 def test_attention_shaped_projections_contract_two_dims():
   """q = x . Wq with Wq [D, H, Dh] (heads split), out = o . Wo contracting [H, Dh]."""
   x, wq, o, wo = arrays((2, 16, 32), (32, 8, 4), (2, 16, 8, 4), (8, 4, 32))
   heads = ("batch", "seq", "act_heads", None)
-  with context(fsdp=2, tensor=4):
-    check(cm.logical_all_gather_matmul, x, wq, RES, heads, contract=1)
-    check(cm.logical_matmul_reduce_scatter, o, wo, heads, RES, contract=2)
+  layout = layout_of(fsdp=2, tensor=4)
+  with layout.scope():
+    check(gather_matmul(layout), x, wq, RES, heads, contract=1)
+    check(matmul_scatter(layout), o, wo, heads, RES, contract=2)
 
 
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=4), dict(data=2, tensor=2, context=2)])
 def test_model_with_collective_matmul_trains_like_one_device(mesh, reference):  # noqa: F811
   """`compute.collective_matmul` in the MLP under sequence parallelism: 3 AdamW steps equal one
   device (test_parallel's tolerances); the program really differs (collective-permutes)."""
-  model = dataclasses.replace(harness.MODEL, collective_matmul=True)
+  compute = dataclasses.replace(harness.COMPUTE, collective_matmul=True)
   cfg = sharding.MeshConfig(**{"data": 1, **mesh}, sequence_parallel=True)
-  permutes = lambda m: [c for c in hlo.collectives(harness.compile_step(cfg, model=m).as_text())  # noqa: E731
-                        if c.kind == "collective-permute"]
-  assert permutes(model) and len(permutes(model)) > len(permutes(harness.MODEL))
-  assert_same_training(harness.run(cfg, model=model), reference)
+  permutes = lambda c: [op for op in hlo.collectives(  # noqa: E731
+      harness.compile_step(cfg, compute=c).as_text()) if op.kind == "collective-permute"]
+  assert permutes(compute) and len(permutes(compute)) > len(permutes(harness.COMPUTE))
+  assert_same_training(harness.run(cfg, compute=compute), reference)
 
 
 def test_collective_matmul_needs_sequence_parallelism():
   cfg = harness.config(sharding.MeshConfig(data=2, tensor=4),
-                       model=dataclasses.replace(harness.MODEL, collective_matmul=True))
+                       compute=dataclasses.replace(harness.COMPUTE, collective_matmul=True))
   with pytest.raises(ValueError, match="set mesh.sequence_parallel=true"):
     Trainer(cfg)
 
 
 def test_without_context_or_sequence_parallelism_it_is_the_plain_matmul():
   x, w = arrays((4, 32, 16), (16, 24))
-  np.testing.assert_array_equal(cm.logical_all_gather_matmul(x, w, RES, MLP), x @ w)
-  with context(sequence_parallel=False, tensor=4, fsdp=2):
-    got = check(cm.logical_all_gather_matmul, x, w, RES, MLP)
+  np.testing.assert_array_equal(gather_matmul(sharding.Layout())(x, w, RES, MLP), x @ w)
+  layout = layout_of(sequence_parallel=False, tensor=4, fsdp=2)
+  with layout.scope():
+    got = check(gather_matmul(layout), x, w, RES, MLP)
     assert "collective-permute" not in got.lower(x, w).compile().as_text()
 
 
@@ -133,16 +149,16 @@ def test_per_device_functions_match_the_collectives():
 
 def test_layouts_it_cannot_decompose_are_one_line_errors():
   h, w = arrays((4, 32, 24), (24, 16))
-  with context(tensor=8), pytest.raises(sharding.LayoutError, match="contracted dims of x"):
+  layout = layout_of(tensor=8)
+  with layout.scope(), pytest.raises(sharding.LayoutError, match="contracted dims of x"):
     # the hidden dim is whole (act_embed): there are no partial sums to reduce-scatter
-    cm.logical_matmul_reduce_scatter(h, w, ("batch", "seq", "act_embed"), RES)
+    matmul_scatter(layout)(h, w, ("batch", "seq", "act_embed"), RES)
 
 
 def gpu_program(*args: str) -> str:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "sp_mlp_block.py"),
-                           "h100x8", "8", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=600,
+  result = subprocess.run([sys.executable, "-m", "benchmarks.sp_mlp_block", "h100x8", "8", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**env, "JAX_PLATFORMS": "cpu"})
   assert result.returncode == 0, result.stderr[-2000:]
   return result.stdout

@@ -26,7 +26,7 @@ from tests.test_parallel import GRAD_RTOL, assert_same_training, reference  # no
 from trainer.config import DataConfig, TrainConfig
 from trainer.trainer import Trainer
 
-ALLGATHER = dataclasses.replace(harness.MODEL, context_impl="allgather")
+ALLGATHER = dataclasses.replace(harness.COMPUTE, context_impl="allgather")
 
 
 @pytest.mark.parametrize("mesh,options", [
@@ -36,7 +36,7 @@ ALLGATHER = dataclasses.replace(harness.MODEL, context_impl="allgather")
     (dict(context=2, fsdp=2, data=2), dict(microbatches=2, remat="full")),
     (dict(context=2, fsdp=2, data=2), dict(microbatches=4)),
     (dict(context=2, tensor=2, data=2, sequence_parallel=True), {}),
-    (dict(context=8), dict(model=ALLGATHER)),
+    (dict(context=8), dict(compute=ALLGATHER)),
 ], ids=["context=8", "context=4,data=2", "context=2,fsdp=2,tensor=2",
         "context=2,fsdp=2,data=2,ga=2,remat", "context=2,fsdp=2,data=2,ga=4",
         "context=2,tensor=2,sp,data=2",
@@ -56,8 +56,12 @@ def test_mla_with_a_window_trains_like_one_device_under_context():
 
 
 def test_ring_and_allgather_agree():
-  ring = harness.run(MeshConfig(data=1, context=8))
-  gathered = harness.run(MeshConfig(data=1, context=8), model=ALLGATHER)
+  mesh = MeshConfig(data=1, context=8)
+  # The two runs really trace different kernels (compute.context_impl reaches the layout).
+  assert Trainer(harness.config(mesh)).layout.context_impl == "ring"
+  assert Trainer(harness.config(mesh, compute=ALLGATHER)).layout.context_impl == "allgather"
+  ring = harness.run(mesh)
+  gathered = harness.run(mesh, compute=ALLGATHER)
   for a, b in zip(ring.grads, gathered.grads):
     assert np.linalg.norm(a - b) <= GRAD_RTOL * np.linalg.norm(b)
 

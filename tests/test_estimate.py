@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from configs.llama import MODELS
+from models import ComputeConfig
 from models.config import ModelConfig
 from sharding.plan import hardware
 from sharding.layout import Layout
@@ -271,10 +272,11 @@ def test_pipeline_keeps_the_first_stage_activations_and_sp_divides_them():
 def test_the_estimator_takes_auto_attention_as_flash():
   """GPU plans assume the flash kernel "auto" runs there: no [s, s] scores stored; naming xla
   adds them back."""
-  auto = MODELS["llama3_8b"]
-  xla = dataclasses.replace(auto, attention_impl="xla")
-  assert auto.attention_impl == "auto"
-  assert model_spec(auto).flash_attention and not model_spec(xla).flash_attention
+  compute = ComputeConfig()
+  assert compute.attention_impl == "auto"
+  auto = model_spec(MODELS["llama3_8b"], compute)
+  xla = model_spec(MODELS["llama3_8b"], dataclasses.replace(compute, attention_impl="xla"))
+  assert auto.flash_attention and not xla.flash_attention
   layout = Layout(fsdp=8, micro_batch=1)
   assert memory(xla, layout, 4096).activations > memory(auto, layout, 4096).activations
   piped = Layout(pipeline=2, data=4, micro_batch=1, microbatches=8)  # stages run the reference

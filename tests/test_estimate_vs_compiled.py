@@ -41,7 +41,8 @@ def measured(name):
   stats = harness.compile_step(mesh, remat=remat).memory_analysis()
   cfg = harness.config(mesh, remat=remat)
   layout = cfg.layout(8)
-  return stats, estimate.memory(cfg.model, layout, cfg.seq_len, PRECISION, workspace_bytes=0), \
+  model = estimate.model_spec(cfg.model, cfg.compute)  # the harness's attention_impl="xla"
+  return stats, estimate.memory(model, layout, cfg.seq_len, PRECISION, workspace_bytes=0), \
       layout
 
 

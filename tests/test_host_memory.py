@@ -22,8 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A step that allocates a fresh 64 MiB temporary on every call, then the page faults of 5 calls
 # after a warm-up call, counted by the kernel (no timing).
 _FAULTS = """
-import resource, sys, jax, jax.numpy as jnp
-sys.path.insert(0, {root!r})
+import resource, jax, jax.numpy as jnp
 from trainer.process import host_memory
 if {reexec}:
   host_memory.reexec_with_tunables()
@@ -43,7 +42,8 @@ def _env(**extra):
 
 
 def _page_faults(reexec: bool) -> int:
-  out = subprocess.run([sys.executable, "-c", _FAULTS.format(root=ROOT, reexec=reexec)],
+  # `python -c` imports from its working directory: the repository's code.
+  out = subprocess.run([sys.executable, "-c", _FAULTS.format(reexec=reexec)], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, check=True, timeout=300)
   return int(out.stdout.strip().splitlines()[-1])
 
@@ -56,14 +56,14 @@ def test_tunables_remove_the_page_faults_of_fresh_temporaries():
 
 
 def test_reexec_keeps_pid_and_arguments_and_respects_the_user():
-  script = ("import os, sys; sys.path.insert(0, %r); from trainer.process import host_memory; "
+  script = ("import os, sys; from trainer.process import host_memory; "
             "host_memory.reexec_with_tunables(); "
-            "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])" % ROOT)
+            "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
 
   def run(**env):
     """(pid the child printed after the re-exec, the pid it was started with, tunables, argv)."""
-    proc = subprocess.Popen([sys.executable, "-c", script, "a", "--b=1"], env=_env(**env),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, "a", "--b=1"], cwd=ROOT,
+                            env=_env(**env), stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     pid, tunables, argv = out.split(" ", 2)
@@ -106,8 +106,12 @@ def test_token_rows_unless_a_mesh_axis_splits_the_sequence(options, split):
   config = MeshConfig(**{"data": 1, **options})
   mesh = sharding.make_mesh(config, jax.devices()[:config.data * config.fsdp * config.tensor
                                                   * config.context])
+  layout = sharding.Layout(**sharding.mesh_sizes(mesh), sequence_parallel=sp, mesh=mesh,
+                           rules=layout_rules(DEFAULT_RULES, sequence_parallel=sp))
+  assert layout.tokens_split == split
   graphdef, params = nnx.split(Einsum((16, 24), ("embed", "mlp"), (0,), param_dtype=jnp.float32,
-                                       dtype=jnp.float32, rngs=nnx.Rngs(0)))
+                                       dtype=jnp.float32, rngs=nnx.Rngs(0),
+                                       tokens_split=layout.tokens_split))
   x = jax.random.normal(jax.random.key(1), (4, 8, 16))
 
   def loss(params, x):
@@ -116,8 +120,7 @@ def test_token_rows_unless_a_mesh_axis_splits_the_sequence(options, split):
   def reference(w, x):
     return jnp.sum(jnp.sin(jnp.einsum("BLD,DF->BLF", x, w)))
 
-  with sharding.use_rules(mesh, layout_rules(DEFAULT_RULES, sequence_parallel=sp)):
-    assert sharding.tokens_split() == split
+  with layout.scope():
     grad_fn = jax.grad(loss, argnums=(0, 1))
     dims = _contracting_dims(grad_fn, params, x)
     grad_params, grad_x = grad_fn(params, x)
@@ -127,4 +130,4 @@ def test_token_rows_unless_a_mesh_axis_splits_the_sequence(options, split):
   want = jax.grad(reference, argnums=(0, 1))(jax.tree.leaves(params)[0], x)
   for got, want in zip((jax.tree.leaves(grad_params)[0], grad_x), want):
     assert float(jnp.max(jnp.abs(got - want))) < 1e-5
-  assert not sharding.tokens_split()  # outside any sharding scope
+  assert not sharding.Layout().tokens_split  # one device (no mesh): whole sequences

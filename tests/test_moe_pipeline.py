@@ -17,8 +17,10 @@ from sharding import MeshConfig
 from sharding.pipeline import stage_split
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import DROPPING, MOE, assert_same_training, reference
+from tests.test_uneven_stages import restore_target
 from cli import convert
 from trainer import checkpoint, hf_init, loop
+from trainer.config import CheckpointConfig
 from trainer.loss import moe_metrics
 from trainer.state import unstored
 from trainer.trainer import Trainer
@@ -89,10 +91,11 @@ def test_a_padded_moe_checkpoint_resumes_unpipelined_and_exports_to_hf(tmp_path)
   padded state's real rows; its HF export (Mixtral names) reads back equal, and imports into the
   padded layout row for row."""
   from models import hf
-  from tests.test_checkpoint import _every, _target, tiny_run
+  from tests.test_checkpoint import tiny_run
 
   def run_cfg(mesh, **kw):
-    cfg = tiny_run(mesh=mesh, microbatches=2, steps=2, checkpoint=_every(2), batch_size=16, **kw)
+    cfg = tiny_run(mesh=mesh, microbatches=2, steps=2, checkpoint=CheckpointConfig(every_steps=2),
+                   batch_size=16, **kw)
     cfg.model.num_layers = 3
     cfg.model.moe = MoEConfig(num_experts=4, experts_per_token=2)  # Mixtral: expert = MLP width
     cfg.max_replicated_fraction = 1.0
@@ -105,7 +108,8 @@ def test_a_padded_moe_checkpoint_resumes_unpipelined_and_exports_to_hf(tmp_path)
   for name, mesh in (("data=8", MeshConfig(data=8)), ("padded", padded)):
     trainer = Trainer(run_cfg(mesh))
     state, _, _ = checkpoint.Checkpointer(str(source / "checkpoints"), trainer.cfg.checkpoint
-                                          ).restore(2, _target(trainer), trainer.iterator("train"),
+                                          ).restore(2, restore_target(trainer),
+                                                    trainer.iterator("train"),
                                                     vars(trainer.cfg.model), True,
                                                     trainer.stage_layers)
     restored[name] = jax.tree.map(np.asarray, unstored(state.params, trainer.stage_layers))

@@ -198,8 +198,8 @@ def test_default_preset_hides_the_8b_models_layer_collectives(target, mesh):
   cfg = llama.large("playbook_8b")
   cfg.mesh = MeshConfig(**{"data": 1, **mesh})
   cfg.batch_size, cfg.seq_len = 8 * mesh.get("data", 1), 4096
-  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
-                                  remat="full")
+  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32")
+  cfg.compute = dataclasses.replace(cfg.compute, remat="full")
   target = compiled.parse_gpu_target(target)
   rep = compile_for_gpus(cfg, target)
   layer = in_loops(rep)

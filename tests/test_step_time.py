@@ -148,7 +148,7 @@ def test_gemms_on_f8_operands_run_at_the_fp8_peak():
     ("replica_groups=[4,2]<=[2,4]T(1,0)", [0, 4]),
     ("replica_groups=[8,8]<=[8,8]T(1,0)", [0, 8, 16, 24, 32, 40, 48, 56])])
 def test_first_replica_group_of_each_text_form(attrs, first):
-  assert step_time._first_group(attrs) == first
+  assert step_time.first_group(attrs) == first
 
 
 def test_constants_scale_the_prediction_as_the_formulas_say():
@@ -230,10 +230,7 @@ def test_the_anchor_table_is_rendered_from_the_committed_results():
   """docs/planning.md's predicted-vs-published table is what benchmarks/step_time_anchors.py
   renders from benchmarks/results/step_time_anchors.jsonl (regenerate both with
   --doc docs/planning.md)."""
-  import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, os.path.join(repo, "benchmarks"))
-  import step_time_anchors
+  from benchmarks import step_time_anchors
   rows = step_time_anchors.render(step_time_anchors.RESULTS)
   from tests.docs_text import section
   shown = section("planning", step_time_anchors.BEGIN, step_time_anchors.END)

@@ -26,10 +26,10 @@ from tests import parallel_harness as harness
 from tests.test_context_parallel import assert_close, reference_attention, value_and_grads
 from tests.test_parallel import assert_same_training, reference  # noqa: F401
 
-ULYSSES = dataclasses.replace(harness.MODEL, context_impl="ulysses")
-HYBRID = dataclasses.replace(harness.MODEL, context_impl="ulysses_ring", ulysses_degree=4)
+ULYSSES = dataclasses.replace(harness.COMPUTE, context_impl="ulysses")
+HYBRID = dataclasses.replace(harness.COMPUTE, context_impl="ulysses_ring", ulysses_degree=4)
 # 2 kv heads: fewer than every Ulysses degree below, so they are replicated.
-GQA = dataclasses.replace(ULYSSES, num_kv_heads=2)
+GQA = dataclasses.replace(harness.MODEL, num_kv_heads=2)
 
 # ---- the kernels alone: rows of 32 tokens over 4 devices, two packed documents per row ----
 
@@ -128,7 +128,7 @@ def gqa_reference():
   return harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=GQA)
 
 
-@pytest.mark.parametrize("mesh,model,options", [
+@pytest.mark.parametrize("mesh,compute,options", [
     (dict(context=8), ULYSSES, {}),
     (dict(context=4, data=2), ULYSSES, {}),
     (dict(context=8), HYBRID, {}),
@@ -136,24 +136,24 @@ def gqa_reference():
                  dict(microbatches=2), marks=pytest.mark.slow),
 ], ids=["ulysses,context=8", "ulysses,context=4,data=2", "hybrid,ring=2xulysses=4",
         "hybrid,ring=2xulysses=2,data=2,ga=2"])
-def test_ulysses_trains_like_one_device(mesh, model, options, reference):  # noqa: F811
+def test_ulysses_trains_like_one_device(mesh, compute, options, reference):  # noqa: F811
   """Packed documents (2 a row); with 16 heads / 8 kv heads, 2 q and 1 kv head a device under
   context=8. The hybrid's ring runs over 2 positions of 4 (or 2) Ulysses devices; with 2
   microbatches it runs inside the data-parallel replicas' vmap."""
-  assert_same_training(harness.run(MeshConfig(**{"data": 1, **mesh}), model=model, **options),
-                       reference)
+  assert_same_training(harness.run(MeshConfig(**{"data": 1, **mesh}), compute=compute,
+                                   **options), reference)
 
 
-@pytest.mark.parametrize("mesh,model", [
-    (dict(context=8), GQA),
-    (dict(context=4, tensor=2), GQA),
-    pytest.param(dict(context=8), dataclasses.replace(GQA, context_impl="ulysses_ring",
-                                                      ulysses_degree=4), marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh,compute", [
+    (dict(context=8), ULYSSES),
+    (dict(context=4, tensor=2), ULYSSES),
+    pytest.param(dict(context=8), HYBRID, marks=pytest.mark.slow),
 ], ids=["context=8", "context=4,tensor=2", "hybrid,ring=2xulysses=4"])
-def test_ulysses_with_replicated_kv_heads_trains_like_one_device(mesh, model, gqa_reference):
+def test_ulysses_with_replicated_kv_heads_trains_like_one_device(mesh, compute, gqa_reference):
   """2 kv heads: 8 copies of each under context=8 (1 a device), 4 of the 1 a tensor shard holds
   under context=4 x tensor=2, 2 under the hybrid's Ulysses 4."""
-  assert_same_training(harness.run(MeshConfig(data=1, **mesh), model=model), gqa_reference)
+  assert_same_training(harness.run(MeshConfig(data=1, **mesh), model=GQA, compute=compute),
+                       gqa_reference)
 
 
 WINDOWED = dataclasses.replace(harness.MODEL, sliding_window=5)
@@ -165,31 +165,31 @@ def window_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [
-    dataclasses.replace(WINDOWED, context_impl="ulysses"),
-    dataclasses.replace(WINDOWED, context_impl="ulysses_ring", ulysses_degree=2)],
-    ids=["ulysses", "hybrid,ring=4xulysses=2"])
-def test_a_sliding_window_trains_like_one_device(model, window_reference):
+@pytest.mark.parametrize("compute", [ULYSSES, dataclasses.replace(HYBRID, ulysses_degree=2)],
+                         ids=["ulysses", "hybrid,ring=4xulysses=2"])
+def test_a_sliding_window_trains_like_one_device(compute, window_reference):
   """A window of 5 under context=8, in the contiguous order: Ulysses' kernel masks it by index
   over whole sequences; the hybrid's ring (4 positions of 4 tokens) runs 1 hop of 3."""
-  assert_same_training(harness.run(MeshConfig(data=1, context=8), model=model), window_reference)
+  assert_same_training(harness.run(MeshConfig(data=1, context=8), model=WINDOWED,
+                                   compute=compute), window_reference)
 
 
 def test_ulysses_runs_the_pallas_flash_kernel_like_one_device(reference):  # noqa: F811
   """The Pallas flash kernel (interpreted on CPU) between the all-to-alls, context=4 x data=2,
   against one device running the XLA reference."""
-  model = dataclasses.replace(ULYSSES, attention_impl="pallas_flash")
-  assert_same_training(harness.run(MeshConfig(data=2, context=4), model=model), reference)
+  compute = dataclasses.replace(ULYSSES, attention_impl="pallas_flash")
+  assert_same_training(harness.run(MeshConfig(data=2, context=4), compute=compute), reference)
 
 
 @pytest.mark.slow
 def test_mla_with_a_window_trains_like_one_device_under_ulysses():
   """MLA (v's head dim 4, q/k's 10; 16 heads, 2 a device) with a window of 5, Ulysses over 8."""
-  model = dataclasses.replace(ULYSSES, num_kv_heads=16, head_dim=10, sliding_window=5,
+  model = dataclasses.replace(harness.MODEL, num_kv_heads=16, head_dim=10, sliding_window=5,
                               mla=MLAConfig(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6,
                                             qk_rope_head_dim=4, v_head_dim=4))
-  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model)
-  assert_same_training(harness.run(MeshConfig(data=1, context=8), model=model), ref)
+  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], model=model, compute=ULYSSES)
+  assert_same_training(harness.run(MeshConfig(data=1, context=8), model=model, compute=ULYSSES),
+                       ref)
 
 
 # ---- what the compiled program sends ----
@@ -201,27 +201,28 @@ def all_to_all_bytes(compiled) -> tuple[int, set]:
   return sum(c.bytes * c.count for c in ops), {c.group_size for c in ops}
 
 
-def predicted(model, mesh: MeshConfig) -> dict:
+def predicted(model, compute, mesh: MeshConfig) -> dict:
   """{kind: (payload bytes per step, group size)} of the analytic model (float32, context)."""
-  layout = layout_of(mesh, 8, model, batch_size=harness.BATCH, seq_len=harness.SEQ)
+  layout = layout_of(mesh, 8, model, compute, batch_size=harness.BATCH, seq_len=harness.SEQ)
   precision = estimate.trainer_precision("float32")
   return {c.kind: (c.payload * c.count, c.group) for c in
-          hardware.collectives(model, layout, harness.SEQ, precision) if c.phase == "context"}
+          hardware.collectives(estimate.model_spec(model, compute), layout, harness.SEQ,
+                               precision) if c.phase == "context"}
 
 
 @pytest.mark.parametrize("model,kv_heads", [
-    (ULYSSES, 8), pytest.param(GQA, 8, marks=pytest.mark.slow)], ids=["kv=8", "kv=2x4"])
+    (harness.MODEL, 8), pytest.param(GQA, 8, marks=pytest.mark.slow)], ids=["kv=8", "kv=2x4"])
 def test_compiled_all_to_all_bytes_are_the_predicted_ones(model, kv_heads):
   """context=8: per layer, q, k, v and the output forward and their gradients backward, each a
   device's [B, L/8, heads, 8] float32 buffer: 16 query heads, 8 kv heads (GQA: 2 kv heads,
   replicated 4 times to 8, so the same bytes as without GQA). Bytes, not ops: XLA may merge."""
-  compiled = harness.compile_step(MeshConfig(data=1, context=8), model=model)
+  compiled = harness.compile_step(MeshConfig(data=1, context=8), model=model, compute=ULYSSES)
   local = harness.BATCH * harness.SEQ // 8 * 8 * 4  # tokens x head dim x bytes, per head
   per_layer = 2 * (16 + 16 + kv_heads + kv_heads) * local
   sent, groups = all_to_all_bytes(compiled)
   assert groups == {8}
   assert sent == model.num_layers * per_layer
-  assert predicted(model, MeshConfig(data=1, context=8)) == {"all-to-all": (sent, 8)}
+  assert predicted(model, ULYSSES, MeshConfig(data=1, context=8)) == {"all-to-all": (sent, 8)}
 
 
 def test_the_hybrid_sends_all_to_alls_over_its_inner_factor_and_the_ring_over_the_outer():
@@ -229,17 +230,17 @@ def test_the_hybrid_sends_all_to_alls_over_its_inner_factor_and_the_ring_over_th
   the ring passes the Ulysses-gathered K/V blocks (2 kv heads of 8, 8 tokens) between the 2
   positions: one hop forward (K, V) and one back (their gradients) per layer."""
   mesh = MeshConfig(data=1, context=8)
-  compiled = harness.compile_step(mesh, model=HYBRID)
+  compiled = harness.compile_step(mesh, compute=HYBRID)
   text = compiled.as_text()
   sent, groups = all_to_all_bytes(compiled)
   local = harness.BATCH * harness.SEQ // 8 * 8 * 4
-  assert groups == {4} and sent == HYBRID.num_layers * 2 * (16 + 16 + 8 + 8) * local
+  assert groups == {4} and sent == harness.MODEL.num_layers * 2 * (16 + 16 + 8 + 8) * local
   assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in text.replace(" ", "") or \
       "replica_groups=[2,4]<=[8]" in text
   permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
   block = harness.BATCH * (harness.SEQ // 2) * 2 * 8 * 4  # [B, L/2, 8/4 kv heads, 8] float32
-  assert sum(c.bytes * c.count for c in permutes) == HYBRID.num_layers * 2 * 2 * block
-  want = predicted(HYBRID, mesh)
+  assert sum(c.bytes * c.count for c in permutes) == harness.MODEL.num_layers * 2 * 2 * block
+  want = predicted(harness.MODEL, HYBRID, mesh)
   assert want["all-to-all"] == (sent, 4)
   assert want["p2p"][1] == 2  # the ring (the analytic model counts K/V 3 times a hop, as ring's)
 
@@ -248,9 +249,9 @@ def test_the_hybrid_sends_all_to_alls_over_its_inner_factor_and_the_ring_over_th
 
 
 def test_ulysses_layout_errors_are_one_line():
-  few_heads = dataclasses.replace(ULYSSES, num_heads=4, num_kv_heads=2)
-  check = lambda model, **mesh: layout_of(MeshConfig(**{"data": 1, **mesh}), 8,  # noqa: E731
-                                          model, batch_size=8, seq_len=64)
+  few_heads = dataclasses.replace(harness.MODEL, num_heads=4, num_kv_heads=2)
+  check = lambda model, compute=ULYSSES, **mesh: layout_of(  # noqa: E731
+      MeshConfig(**{"data": 1, **mesh}), 8, model, compute, batch_size=8, seq_len=64)
   check(few_heads, context=4, data=2)
   with pytest.raises(LayoutError, match=r"Ulysses degree 8 must divide the query heads per tensor"
                      r" shard \(num_heads / tensor = 4\); kv heads fewer than the degree are"
@@ -259,32 +260,34 @@ def test_ulysses_layout_errors_are_one_line():
   with pytest.raises(LayoutError, match="num_heads / tensor = 2"):
     check(few_heads, context=4, tensor=2)
   with pytest.raises(LayoutError, match="ulysses_degree=3 does not divide context=8"):
-    check(dataclasses.replace(HYBRID, ulysses_degree=3), context=8)
+    check(harness.MODEL, dataclasses.replace(HYBRID, ulysses_degree=3), context=8)
   with pytest.raises(LayoutError, match="must be 0 or context=8"):
-    check(dataclasses.replace(ULYSSES, ulysses_degree=4), context=8)
+    check(harness.MODEL, dataclasses.replace(ULYSSES, ulysses_degree=4), context=8)
   # Ulysses runs the contiguous order: one chunk a device, where the ring needs two.
-  layout_of(MeshConfig(data=1, context=8), 8, ULYSSES, batch_size=8, seq_len=8 * 3)
+  layout_of(MeshConfig(data=1, context=8), 8, harness.MODEL, ULYSSES, batch_size=8,
+            seq_len=8 * 3)
   with pytest.raises(LayoutError, match="seq_len=24 is not divisible by 2 x context"):
-    layout_of(MeshConfig(data=1, context=8), 8, HYBRID, batch_size=8, seq_len=8 * 3)
+    layout_of(MeshConfig(data=1, context=8), 8, harness.MODEL, HYBRID, batch_size=8,
+              seq_len=8 * 3)
 
 
 @pytest.mark.parametrize("impl,degree", [("ring", 2), ("ulysses_ring", 0), ("ulysses", -1)])
 def test_the_degree_must_fit_the_impl(impl, degree):
-  model = dataclasses.replace(harness.MODEL, context_impl=impl, ulysses_degree=degree)
+  compute = dataclasses.replace(harness.COMPUTE, context_impl=impl, ulysses_degree=degree)
   with pytest.raises(ValueError, match=f"compute.ulysses_degree={degree} does not fit"):
-    model.validate()
+    compute.validate(harness.MODEL)
 
 
 def test_the_planner_and_memory_know_ulysses():
   """The planner rejects what the layout rejects; memory counts the replicated kv heads that
   Ulysses attends (2 kv heads, degree 8: 8 copies) and Ulysses' all-to-alls, not ring hops."""
-  llama = estimate.model_spec(dataclasses.replace(harness.MODEL, num_heads=4, num_kv_heads=2,
-                                                  context_impl="ulysses"))
+  llama = estimate.model_spec(dataclasses.replace(harness.MODEL, num_heads=4, num_kv_heads=2),
+                              ULYSSES)
   assert planner.divisibility_errors(llama, Layout(context=4), 64) == []
   assert planner.divisibility_errors(llama, Layout(context=8), 64) == [
       "query heads per tensor shard 4 not divisible by the Ulysses degree 8 (kv heads fewer"
       " than it are replicated, query heads cannot be)"]
-  gqa, ring = estimate.model_spec(GQA), estimate.model_spec(harness.MODEL)
+  gqa, ring = estimate.model_spec(GQA, ULYSSES), estimate.model_spec(harness.MODEL)
   gqa_ring = dataclasses.replace(gqa, context_impl="ring")
   layout, fp32 = Layout(context=8), estimate.trainer_precision("float32")
   extra = estimate.memory(gqa, layout, 64, fp32).activations - \

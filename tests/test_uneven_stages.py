@@ -12,15 +12,17 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import playbook_sweep as sweep
+from cli.memory import run_memory
 from configs import llama as llama_presets
-from sharding import LayoutError, MeshConfig, layout
+from sharding import LayoutError, MeshConfig, layout, layout_of
 from sharding.pipeline import stage_split
 from sharding.plan import estimate
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
 from tests.test_pipeline import references  # noqa: F401  (the one-device runs, a fixture)
-from cli import presets as planning
+from trainer.config import CheckpointConfig
 from trainer.trainer import Trainer
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
@@ -60,8 +62,7 @@ def test_the_split_reads_back_from_a_layout_string():
   assert lay.stage_layers == "1+4" and layout.parse(lay.string()) == lay
   assert lay.stage_split(5) == (1, 4) and lay.layers_per_device(5) == 4
   with pytest.raises(LayoutError, match="pipeline=1"):
-    layout.layout_of(MeshConfig(data=8, stage_layers="1+4"), 8, model(5), batch_size=8,
-                     seq_len=16)
+    layout_of(MeshConfig(data=8, stage_layers="1+4"), 8, model(5), batch_size=8, seq_len=16)
 
 
 @pytest.mark.parametrize("layers,mesh", [
@@ -154,8 +155,6 @@ def test_memory_evaluates_every_sweep_layout_with_no_more_stages_than_layers(cap
   [18]): a fit verdict for each with no more stages than layers, uneven ones included (refused
   before: 144 of the 1,746 runs), and a one-line reason for the one with more stages than
   layers (the 3B's 28 layers on 32 stages)."""
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-  import playbook_sweep as sweep
   verdicts, uneven, reasons = 0, 0, []
   for run in sweep.runs():
     name, lay = run["model"], sweep.layout_of(run)
@@ -164,10 +163,10 @@ def test_memory_evaluates_every_sweep_layout_with_no_more_stages_than_layers(cap
                 precision="playbook_fp32_accum", plot="", gpus=0, as_json=True)
     if lay.pipeline > layers:
       with pytest.raises(ValueError) as error:
-        planning.run_memory(None, False, **args)
+        run_memory(None, False, **args)
       reasons.append(str(error.value))
       continue
-    planning.run_memory(None, False, **args)
+    run_memory(None, False, **args)
     out = json.loads(capsys.readouterr().out)
     assert isinstance(out["fits"], bool) and out["total_gb"] > 0
     verdicts += 1
@@ -182,14 +181,15 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
   own 3 rows) and under the split 1+2 the parameters are the same; training resumed under
   data=8 continues the original run; the HF export and an HF import into uneven stages hold
   exactly the model's rows."""
-  from tests.test_checkpoint import _every, _target, rows, tiny_run
+  from tests.test_checkpoint import rows, tiny_run
   from cli import convert
   from trainer import checkpoint, hf_init, loop
   from models import hf
   from trainer.state import unstored
 
   def run_cfg(mesh, **kw):
-    cfg = tiny_run(mesh=mesh, microbatches=2, steps=4, checkpoint=_every(2), batch_size=16, **kw)
+    cfg = tiny_run(mesh=mesh, microbatches=2, steps=4, checkpoint=CheckpointConfig(every_steps=2),
+                   batch_size=16, **kw)
     cfg.model.num_layers = 3
     return cfg
 
@@ -201,7 +201,7 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
     cfg = run_cfg(mesh)
     trainer = Trainer(cfg)
     state, _, _ = checkpoint.Checkpointer(str(source / "checkpoints"), cfg.checkpoint).restore(
-        2, _target(trainer), trainer.iterator("train"), vars(cfg.model), True,
+        2, restore_target(trainer), trainer.iterator("train"), vars(cfg.model), True,
         trainer.stage_layers)
     params[name] = jax.tree.map(np.asarray, unstored(state.params, trainer.stage_layers))
   jax.tree.map(np.testing.assert_array_equal, params["data=8"], params["1+2"])
@@ -218,7 +218,7 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
   exported = hf.load_params(str(tmp_path / "hf"), run_cfg(MeshConfig(data=8)).model)
   final = Trainer(run_cfg(MeshConfig(data=8)))
   state, _, _ = checkpoint.Checkpointer(str(source / "checkpoints"), final.cfg.checkpoint).restore(
-      4, _target(final), final.iterator("train"), vars(final.cfg.model))
+      4, restore_target(final), final.iterator("train"), vars(final.cfg.model))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
                exported, state.params)
   cfg = run_cfg(MeshConfig(data=4, pipeline=2), init_from=f"hf:{tmp_path / 'hf'}")
@@ -228,6 +228,11 @@ def test_a_padded_checkpoint_resumes_in_other_layouts_and_exports_the_model(tmp_
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                unstored(imported, trainer.stage_layers), exported)
 
+
+def restore_target(trainer):
+  """The trainer's abstract state in its shardings: what a checkpoint restores into."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      trainer.abstract_state, trainer.shardings)
 
 
 @pytest.mark.slow

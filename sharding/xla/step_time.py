@@ -202,7 +202,7 @@ class _Walk:
   def group_in_node(self, c: hlo.Collective) -> bool:
     """Whether the first replica group (device ids) lies in one node of gpus_per_node GPUs."""
     ins = self.instruction(c.computation, c.name)
-    ids = _first_group(ins.attrs) if ins else None
+    ids = first_group(ins.attrs) if ins else None
     if c.kind == "collective-permute" or not ids:
       return c.group_size <= self.gpus_per_node
     return len({i // self.gpus_per_node for i in ids}) == 1
@@ -260,7 +260,7 @@ class _Walk:
     return max(compute_free, comm_free), kernels
 
 
-def _first_group(attrs: str) -> list[int] | None:
+def first_group(attrs: str) -> list[int] | None:
   """Device ids of the first replica group: {{0,1,..},..} or the iota form [G,N]<=[dims]T(perm)
   (iota(prod dims) reshaped to dims, transposed by perm, read as G groups of N)."""
   if m := _LIST_GROUPS.search(attrs):
