@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from sharding.pipeline import schedules as S
+from tests.schedule_timing import idle_times
 
 CASES = [(p, m) for p in (2, 4, 8) for m in (8, 16) if m >= p]
 
@@ -111,11 +112,11 @@ def test_dualpipev_pairs_forward_and_backward_and_has_the_papers_bubble_and_memo
   for overlapped in (2.5, 3.0):
     durations = {S.FORWARD: 1, S.BACKWARD: 2, S.BACKWARD_INPUT: 1, S.BACKWARD_WEIGHT: 1,
                  "pair": overlapped}
-    assert dual.idle_times(durations).max() == pytest.approx((p - 1) * (overlapped + 2 - 3))
+    assert idle_times(dual, durations).max() == pytest.approx((p - 1) * (overlapped + 2 - 3))
   assert list(dual.in_flight()) == [2 * p + 1] * p
   assert S.in_flight_microbatches("dualpipev", p, m, 2) == (2 * p + 1) / 2
   one_f_one_b = S.make("1f1b", 2 * p, m)  # the same PP stages, one per device
-  assert one_f_one_b.idle_times({S.FORWARD: 1, S.BACKWARD: 2}).max() == (2 * p - 1) * 3
+  assert idle_times(one_f_one_b, {S.FORWARD: 1, S.BACKWARD: 2}).max() == (2 * p - 1) * 3
 
 
 def test_rendering_reads_like_the_playbook():
