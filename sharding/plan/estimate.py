@@ -65,9 +65,7 @@ class ModelSpec:
   full_attention_every: int = 0
   context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
   ulysses_degree: int = 0
-  # The attention the run asked for (ComputeConfig.attention_impl): "auto" is flash, except inside
-  # pipeline stages, which run the reference (`memory`).
-  attention_impl: str = "xla"
+  attention_impl: str = "xla"  # the run's request: "auto" is flash but in pipeline stages
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -179,9 +177,8 @@ def model_spec(model, compute=None) -> ModelSpec:
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
                   getattr(moe, "shared_experts", 0) if shared is None else shared,
                   getattr(moe, "first_dense_layers", 0))
-  # "auto" is a flash kernel on GPUs, and GPUs are what the estimator plans for (a CPU run's
-  # host-memory check passes the impl resolved for its platform). Compute settings come from
-  # `compute` (a ComputeConfig, read by field names; None: its defaults).
+  # Compute settings from `compute` (a ComputeConfig by field names; None: its defaults). "auto"
+  # is flash: GPUs are what the estimator plans for (a CPU run passes its resolved impl).
   impl = getattr(compute, "attention_impl", "auto")
   flash = impl in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
