@@ -3,7 +3,7 @@ GPU (the gpu-aot extra): with the collective matmuls of sharding/collective_matm
 plain matmuls whose all-gather and reduce-scatter XLA inserts (the baseline). Read by
 benchmarks/overlap.py and tests/test_collective_matmul.py.
 
-  JAX_PLATFORMS=cpu python benchmarks/sp_mlp_block.py TARGET TENSOR [grad] [plain]
+  JAX_PLATFORMS=cpu python -m benchmarks.sp_mlp_block TARGET TENSOR [grad] [plain]
       [dims=B,L,D,F] > block.hlo
 """
 
@@ -12,22 +12,22 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from sharding import (DEFAULT_RULES, MeshConfig, constrain, layout_rules,
+from sharding import (DEFAULT_RULES, Layout, MeshConfig, constrain, layout_rules,
                       logical_all_gather_matmul, logical_matmul_reduce_scatter, make_mesh,
-                      named_sharding, use_rules)
+                      mesh_sizes, named_sharding)
 from sharding.xla import compiled, presets
 
 RESIDUAL, HIDDEN = ("batch", "res_seq", "act_embed"), ("batch", "seq", "act_mlp")
 
 
-def sp_mlp(x, w_in, w_out, collective: bool = True):
-  """A sequence-parallel two-matmul block (the shape of a Megatron SP MLP): x [B, L, D]
-  ("batch", "res_seq", "act_embed") -> same names. `collective`: with the two collective
-  matmuls; else the plain matmuls with sharding constraints (XLA's all-gather and
-  reduce-scatter), the baseline."""
+def sp_mlp(layout, x, w_in, w_out, collective: bool = True):
+  """A sequence-parallel two-matmul block (the shape of a Megatron SP MLP) under `layout` (a
+  sharding.Layout with its mesh, in its scope): x [B, L, D] ("batch", "res_seq", "act_embed")
+  -> same names. `collective`: with the two collective matmuls; else the plain matmuls with
+  sharding constraints (XLA's all-gather and reduce-scatter), the baseline."""
   if collective:
-    hidden = logical_all_gather_matmul(x, w_in, RESIDUAL, HIDDEN)
-    return logical_matmul_reduce_scatter(jax.nn.silu(hidden), w_out, HIDDEN, RESIDUAL)
+    hidden = logical_all_gather_matmul(layout, x, w_in, RESIDUAL, HIDDEN)
+    return logical_matmul_reduce_scatter(layout, jax.nn.silu(hidden), w_out, HIDDEN, RESIDUAL)
   hidden = constrain(jnp.tensordot(x, w_in, axes=1), HIDDEN)
   return constrain(jnp.tensordot(jax.nn.silu(hidden), w_out, axes=1), RESIDUAL)
 
@@ -38,16 +38,18 @@ def compile_for_gpus(target_name: str, tensor: int, grad: bool, collective: bool
   deviceless GPU target with the default preset's options."""
   target = compiled.parse_gpu_target(target_name)
   mesh = make_mesh(MeshConfig(data=-1, tensor=tensor), compiled.gpu_devices(target))
+  layout = Layout(**mesh_sizes(mesh), sequence_parallel=True, mesh=mesh, platform="gpu",
+                  rules=layout_rules(DEFAULT_RULES, sequence_parallel=True))
   b, l, d, f = dims
   shapes = {"x": ((b, l, d), RESIDUAL), "w_in": ((d, f), ("embed", "mlp")),
             "w_out": ((f, d), ("mlp", "embed"))}
-  with use_rules(mesh, layout_rules(DEFAULT_RULES, sequence_parallel=True)):
+  with layout.scope():
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(names, shape))
             for shape, names in shapes.values()]
-    fn = lambda *a: sp_mlp(*a, collective=collective)  # noqa: E731
+    fn = lambda *a: sp_mlp(layout, *a, collective=collective)  # noqa: E731
     if grad:
-      fn = jax.grad(lambda *a: jnp.sum(sp_mlp(*a, collective=collective).astype(jnp.float32)
-                                       ** 2), argnums=(0, 1, 2))
+      fn = jax.grad(lambda *a: jnp.sum(sp_mlp(layout, *a, collective=collective)
+                                       .astype(jnp.float32) ** 2), argnums=(0, 1, 2))
     lowered = jax.jit(fn).lower(*args)
   options = presets.compiler_options(presets.DEFAULT_PRESET, mesh_sizes=dict(mesh.shape))
   return lowered.compile(compiler_options=options).as_text()
