@@ -44,43 +44,43 @@ RESULTS := benchmarks/results
 .PHONY: bench
 bench: $(STAMP)
 	mkdir -p $(RESULTS)
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/peak.py > $(RESULTS)/peak.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.peak > $(RESULTS)/peak.jsonl
 	rm -f $(RESULTS)/train_step.jsonl $(RESULTS)/compile_scaling.jsonl $(RESULTS)/compare.jsonl
 	for round in $$(seq $(BENCH_ROUNDS)); do for model in tiny 100m; do \
 	  for layout in "" fsdp=8 fsdp=4,tensor=2; do \
-	    $(BIN)/python benchmarks/train_step.py --model=$$model --layout=$$layout --remat=none \
+	    $(BIN)/python -m benchmarks.train_step --model=$$model --layout=$$layout --remat=none \
 	      --steps=8 --warmup=3 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
 	      >> $(RESULTS)/train_step.jsonl || exit 1; \
 	done; done; done
 	rm -f $(RESULTS)/bf16_vs_float32.jsonl
 	for round in $$(seq $(BENCH_ROUNDS)); do for dtype in bfloat16 float32; do \
-	  $(BIN)/python benchmarks/train_step.py --model=tiny --remat=none --dtype=$$dtype --steps=8 \
+	  $(BIN)/python -m benchmarks.train_step --model=tiny --remat=none --dtype=$$dtype --steps=8 \
 	    --warmup=3 --peak_file=$(RESULTS)/peak.jsonl --label=round$$round \
 	    >> $(RESULTS)/bf16_vs_float32.jsonl || exit 1; \
 	done; done
 	for round in $$(seq $(BENCH_ROUNDS)); do for layers in 2 32; do \
-	  $(BIN)/python benchmarks/train_step.py --model=100m --layers=$$layers --steps=0 \
+	  $(BIN)/python -m benchmarks.train_step --model=100m --layers=$$layers --steps=0 \
 	    --peak_file=$(RESULTS)/peak.jsonl \
 	    --label=round$$round >> $(RESULTS)/compile_scaling.jsonl || exit 1; \
 	done; done
-	$(BIN)/python benchmarks/sweep.py --out $(RESULTS)/sweep.csv --pairs 1:none,4:full
-	$(BIN)/python benchmarks/plot_sweep.py --csv $(RESULTS)/sweep.csv --out_dir $(RESULTS)
-	$(BIN)/python benchmarks/compare.py --rounds $(BENCH_ROUNDS) --dtype bfloat16,float32 \
+	$(BIN)/python -m benchmarks.sweep --out $(RESULTS)/sweep.csv --pairs 1:none,4:full
+	$(BIN)/python -m benchmarks.plot_sweep --csv $(RESULTS)/sweep.csv --out_dir $(RESULTS)
+	$(BIN)/python -m benchmarks.compare --rounds $(BENCH_ROUNDS) --dtype bfloat16,float32 \
 	  --out $(RESULTS)/compare.jsonl
-	$(BIN)/python benchmarks/compare.py --summarize $(RESULTS)/compare.jsonl \
+	$(BIN)/python -m benchmarks.compare --summarize $(RESULTS)/compare.jsonl \
 	  > $(RESULTS)/compare_summary.jsonl
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/moe_vs_dense.py --steps=300 \
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.moe_vs_dense --steps=300 \
 	  --variants=dense,dropless,dropping > $(RESULTS)/moe_vs_dense.jsonl
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/overlap.py > $(RESULTS)/overlap.jsonl
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/planner_speed.py > $(RESULTS)/planner_speed.jsonl
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/context_parallel.py > $(RESULTS)/context_parallel.jsonl
-	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/compile_vs_estimate.py \
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.overlap > $(RESULTS)/overlap.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.planner_speed > $(RESULTS)/planner_speed.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.context_parallel > $(RESULTS)/context_parallel.jsonl
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.compile_vs_estimate \
 	  > $(RESULTS)/compile_vs_estimate.jsonl
-	MESHTRON_DEFAULT_MALLOC=1 $(BIN)/python benchmarks/train_step.py --model=100m --steps=3 \
+	MESHTRON_DEFAULT_MALLOC=1 $(BIN)/python -m benchmarks.train_step --model=100m --steps=3 \
 	  --warmup=1 --peak_file=$(RESULTS)/peak.jsonl --label=default_malloc > $(RESULTS)/host_memory.jsonl
-	$(BIN)/python benchmarks/train_step.py --model=100m --steps=3 --warmup=1 \
+	$(BIN)/python -m benchmarks.train_step --model=100m --steps=3 --warmup=1 \
 	  --peak_file=$(RESULTS)/peak.jsonl --label=trainer_malloc >> $(RESULTS)/host_memory.jsonl
-	$(BIN)/python benchmarks/report.py --results $(RESULTS) --doc docs/results.md
+	$(BIN)/python -m benchmarks.report --results $(RESULTS) --doc docs/results.md
 
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
 # `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl
@@ -92,7 +92,7 @@ PHASE ?= all
 GPU_OUT ?= benchmarks/results/gpu
 gpu-check:
 	MESHTRON_COMMIT=$${MESHTRON_COMMIT:-$$(git rev-parse HEAD 2>/dev/null)} \
-	  $(GPU_PYTHON) benchmarks/gpu_check.py --phase $(PHASE) --out_dir $(GPU_OUT) $(GPU_CHECK_ARGS)
+	  $(GPU_PYTHON) -m benchmarks.gpu_check --phase $(PHASE) --out_dir $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 # Wheels for Python 3.12 that the GPU machine lacks (it reaches no registry), into .whl/ for
 # carrying there; the versions are pyproject.toml's pins (tests/test_gpu_check.py compares them).

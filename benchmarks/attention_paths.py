@@ -5,7 +5,7 @@ memory lines come from `memory_analysis()` of compiled programs: the chunked vs 
 CPU, and with --gpu the train step for 8 H100s (compiled without a GPU) per attention path and
 sequence length.
 
-Usage: python benchmarks/attention_paths.py [--lengths 256,512] [--repeats 5] [--gpu]
+Usage: python -m benchmarks.attention_paths [--lengths 256,512] [--repeats 5] [--gpu]
 """
 
 import argparse
@@ -94,7 +94,8 @@ def gpu_train_step_memory(lengths=(2048, 4096, 8192)) -> None:
       cfg = llama.debug()
       cfg.mesh = MeshConfig(data=4, tensor=2)
       cfg.batch_size, cfg.seq_len = 8, length
-      cfg.model = dataclasses.replace(model, attention_impl=impl)
+      cfg.model = model
+      cfg.compute = dataclasses.replace(cfg.compute, attention_impl=impl)
       rep = compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"))
       emit(benchmark="train_step_memory_h100x8", impl=impl, seq=length, batch=8,
            mesh="data=4,tensor=2", compile_s=round(rep.compile_seconds, 1),

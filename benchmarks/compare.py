@@ -14,7 +14,7 @@ against MaxText's least recomputing policy (MaxText checkpoints every layer what
 the summary's "remat" then names both ("none/selective").
 
 Usage (or --summarize FILE to recompute the summaries of every run in FILE):
-  python benchmarks/compare.py [--config tiny:single --config "100m:fsdp=4,tensor=2" ...]
+  python -m benchmarks.compare [--config tiny:single --config "100m:fsdp=4,tensor=2" ...]
       [--rounds 3] [--remat full] [--meshtron_remat none] [--dtype bfloat16,float32]
       [--steps 15 --warmup 5]
       [--peak_file benchmarks/results/peak.jsonl] [--out benchmarks/results/compare.jsonl]
@@ -31,6 +31,7 @@ import sys
 from trainer.process import host_memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 
 DEFAULT_CONFIGS = ["tiny:single", "tiny:fsdp=8", "tiny:fsdp=4,tensor=2",
                    "100m:single", "100m:fsdp=8", "100m:fsdp=4,tensor=2"]
@@ -47,13 +48,13 @@ def last_json(text: str) -> dict | None:
 
 
 def run_meshtron(model: str, layout: str, args, steps: int, warmup: int) -> dict:
-  cmd = [sys.executable, os.path.join(HERE, "train_step.py"), f"--model={model}",
+  cmd = [sys.executable, "-m", "benchmarks.train_step", f"--model={model}",
          f"--layout={'' if layout == 'single' else layout}", f"--batch={args.batch}",
          f"--seq={args.seq}", f"--remat={args.meshtron_remat or args.remat}",
          f"--dtype={args.dtype}",
          f"--steps={steps}", f"--warmup={warmup}", f"--peak_file={args.peak_file}",
          "--label=compare"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
   row = last_json(proc.stdout)
   if proc.returncode or row is None:
     return {"trainer": "meshtron", "error": proc.stderr.strip().splitlines()[-3:]}

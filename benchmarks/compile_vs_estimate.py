@@ -5,7 +5,7 @@ The estimate uses the dtypes the trainer uses today: parameters, gradients and A
 float32 (model.param_dtype), activations in bfloat16 (--config.model.dtype=bfloat16), no master
 copy; it leaves out the CUDA/NCCL workspace allowance (the compiled peak has none).
 
-  .venv/bin/python benchmarks/compile_vs_estimate.py [--only N]
+  .venv/bin/python -m benchmarks.compile_vs_estimate [--only N]
 """
 
 import argparse
@@ -32,8 +32,8 @@ LAYOUTS = [  # (name, mesh, microbatches, remat)
 def config(mesh: MeshConfig, microbatches: int, remat: str):
   cfg = llama.large("playbook_8b")
   cfg.mesh, cfg.batch_size, cfg.seq_len, cfg.microbatches = mesh, BATCH, SEQ, microbatches
-  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
-                                  remat=remat)
+  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32")
+  cfg.compute = dataclasses.replace(cfg.compute, remat=remat)
   return cfg
 
 
@@ -48,7 +48,8 @@ def main() -> None:
     cfg = config(mesh, microbatches, remat)
     layout = cfg.layout(target.num_devices)
     precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
-    est = estimate.memory(cfg.model, layout, SEQ, precision, workspace_bytes=0)
+    est = estimate.memory(estimate.model_spec(cfg.model, cfg.compute), layout, SEQ, precision,
+                          workspace_bytes=0)
     start = time.perf_counter()
     rep = compile_for_gpus(cfg, target)
     seconds = time.perf_counter() - start

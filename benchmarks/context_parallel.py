@@ -9,7 +9,7 @@ flash kernel; the ring and the hybrid attend each block with kernels/ring_attent
 block attention on every platform). Each line also has the analytic model's context bytes and,
 for a GPU target, the step time sharding/xla/step_time.py predicts from the scheduled program.
 
-  .venv/bin/python benchmarks/context_parallel.py [--targets cpu,h100x8] [--seq 32768]
+  .venv/bin/python -m benchmarks.context_parallel [--targets cpu,h100x8] [--seq 32768]
 """
 
 import argparse
@@ -27,8 +27,9 @@ def config(impl: str, degree: int, seq: int):
   from sharding import MeshConfig
   cfg = llama.large("llama3_1b")
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=1, context=8), 1, seq
-  cfg.model = dataclasses.replace(cfg.model, context_impl=impl, ulysses_degree=degree,
-                                  remat="full", param_dtype="float32")
+  cfg.model = dataclasses.replace(cfg.model, param_dtype="float32")
+  cfg.compute = dataclasses.replace(cfg.compute, context_impl=impl, ulysses_degree=degree,
+                                    remat="full")
   return cfg
 
 
@@ -38,7 +39,8 @@ def analytic(cfg) -> dict:
   layout = cfg.layout(8)
   precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
   return {c.kind: c.payload * c.count for c in
-          hardware.collectives(cfg.model, layout, cfg.seq_len, precision) if c.phase == "context"}
+          hardware.collectives(estimate.model_spec(cfg.model, cfg.compute), layout, cfg.seq_len,
+                               precision) if c.phase == "context"}
 
 
 def line(target: str, impl: str, degree: int, cfg, rep) -> dict:

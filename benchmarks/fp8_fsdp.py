@@ -4,7 +4,7 @@ recipe, one and two microbatches. Deviceless compiles: compiled-program facts (c
 and counts, peak memory) and meshtron's step-time prediction (sharding/xla/step_time.py), not
 wall time.
 
-  .venv/bin/python benchmarks/fp8_fsdp.py [--recipes bf16,tensorwise] [--microbatches 1,2]
+  .venv/bin/python -m benchmarks.fp8_fsdp [--recipes bf16,tensorwise] [--microbatches 1,2]
       [--xla_options xla_gpu_enable_triton_gemm=false]
 
 One JSON line per (recipe, microbatches); "vs_bf16" divides by the bf16 line of the same
@@ -32,8 +32,8 @@ def config(recipe: str, microbatches: int, xla_options: str = ""):
   cfg.mesh, cfg.batch_size, cfg.seq_len = MeshConfig(data=1, fsdp=8), 8 * microbatches, SEQ
   cfg.microbatches = microbatches
   fp8 = Fp8Config() if recipe == "bf16" else Fp8Config(enabled=True, recipe=recipe)
-  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
-                                  remat="full", fp8=fp8)
+  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32")
+  cfg.compute = dataclasses.replace(cfg.compute, remat="full", fp8=fp8)
   return cfg
 
 

@@ -24,7 +24,7 @@ optax and orbax over the machine's, for when those break).
 
 Usage:
   make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn']
-  python benchmarks/gpu_check.py --phase {smoke,tests,kernels,train,fp8,all} [--out_dir DIR]
+  python -m benchmarks.gpu_check --phase {smoke,tests,kernels,train,fp8,all} [--out_dir DIR]
       [--budget_s 400] [--attention cudnn,pallas_flash] [--remat none,selective,full]
       [--wheels missing|pinned|none] [--rehearse]
 `--rehearse` runs the phases on the CPU at tiny sizes: the script's own code path, for the CPU
@@ -35,7 +35,6 @@ import argparse
 import datetime
 import glob
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -90,11 +89,18 @@ def wheels_to_install(files: list[str], mode: str) -> list[str]:
   return [] if mode == "none" else [f for f in files if missing(f)]
 
 
+def installed_here() -> bool:
+  """Whether this checkout is pip-installed: asked from outside it, since this process (run
+  with `-m` from the repo root) finds our packages through its working directory."""
+  proc = subprocess.run([sys.executable, "-c", "import trainer; print(trainer.__file__)"],
+                        cwd=os.path.dirname(REPO), capture_output=True, text=True, timeout=120)
+  return proc.returncode == 0 and proc.stdout.strip().startswith(REPO + os.sep)
+
+
 def install(wheels: str) -> list[str]:
   """meshtron (editable, no dependencies) and the carried wheels; returns what was installed."""
   done = []
-  spec = importlib.util.find_spec("trainer")
-  if spec is None or not (spec.origin or "").startswith(REPO):
+  if not installed_here():
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-build-isolation", "-e", REPO], check=True)
     done.append("meshtron (editable)")
@@ -103,11 +109,12 @@ def install(wheels: str) -> list[str]:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-compile", "--upgrade", "--target", SITE, *chosen], check=True)
     done += [os.path.basename(f) for f in chosen]
-  if REPO not in sys.path:  # this process: the editable install's path hook loads at start-up
-    sys.path.insert(0, REPO)
-  if os.path.isdir(SITE):
-    sys.path.insert(0, SITE)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))
+  paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+  if os.path.isdir(SITE) and SITE not in paths:
+    # The carried wheels are third-party packages installed with --target into a directory no
+    # site configuration names: every process from here on starts with it first on its path
+    # (ahead of the machine's own packages), see `main`.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, *paths]))
   return done
 
 
@@ -202,7 +209,7 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -
 
 
 def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool:
-  """benchmarks/gpu_train.py once per run (its attention, remat, fp8 and xla_options), each in
+  """benchmarks.gpu_train once per run (its attention, remat, fp8 and xla_options), each in
   its own process."""
   peak = 0.0
   # The bf16 peak the kernels phase measured on this GPU: in this run's output, or in the
@@ -223,7 +230,7 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
     if time.monotonic() > deadline:
       results.emit(**fields, status="skipped", reason="the phase's time budget is spent")
       continue
-    command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_train.py"),
+    command = [sys.executable, "-m", "benchmarks.gpu_train",
                *(f"--{k}={v}" for k, v in run.items()), f"--peak_tflops={peak}",
                f"--batches={BATCHES.get(run['remat'], '2,1')}"]
     if args.rehearse:
@@ -262,12 +269,12 @@ def run_phase(phase: str, args, facts: dict) -> bool:
   deadline = time.monotonic() + args.budget_s
   try:
     if phase == "smoke":
-      import gpu_kernels
+      from benchmarks import gpu_kernels
       return gpu_kernels.smoke(results.emit, args.rehearse)
     if phase == "tests":
       return run_tests(results, args.out_dir, args.rehearse, deadline)
     if phase == "kernels":
-      import gpu_kernels
+      from benchmarks import gpu_kernels
       gpu_kernels.peak(results.emit, args.rehearse)
       gpu_kernels.attention(results.emit, args.rehearse, deadline)
       gpu_kernels.rmsnorm(results.emit, args.rehearse)
@@ -300,6 +307,13 @@ def main(argv=None) -> int:
     installed = install(args.wheels)
     if installed:
       print(f"gpu-check: installed {', '.join(installed)}", flush=True)
+    if os.path.isdir(SITE) and SITE not in sys.path:
+      # This process started before the carried wheels' directory was on PYTHONPATH (install);
+      # the phases import them here (flax & co. in smoke and kernels): the same command runs
+      # again as a process that starts with it. Our own modules come from the repo root.
+      return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check",
+                             *(sys.argv[1:] if argv is None else argv), "--wheels=none"],
+                            cwd=REPO).returncode
   if not args.rehearse and (platform_name := jax_platform()) != "gpu":
     fail(f"nvidia-smi sees {gpu_names()[0]} but JAX's first device is {platform_name}: JAX's"
          " CUDA plugin is missing or cannot load; install jax[cuda] there")
@@ -308,7 +322,8 @@ def main(argv=None) -> int:
               f"--attention={args.attention}", f"--remat={args.remat}", "--wheels=none",
               *(["--rehearse"] if args.rehearse else [])]
     failed = [phase for phase in PHASES if subprocess.run(
-        [sys.executable, os.path.abspath(__file__), f"--phase={phase}", *common]).returncode]
+        [sys.executable, "-m", "benchmarks.gpu_check", f"--phase={phase}", *common],
+        cwd=REPO).returncode]
   else:
     facts = machine_facts(args.rehearse)
     failed = [] if run_phase(args.phase, args, facts) else [args.phase]

@@ -5,13 +5,13 @@ MFU and memory; the targets of the GPU issue, met or not.
 
 Rehearsal lines (gpu_check.py --rehearse: the CPU) are never reported as GPU results.
 
-  python benchmarks/gpu_report.py [--results benchmarks/results/gpu] [--doc docs/gpu-check.md]
+  python -m benchmarks.gpu_report [--results benchmarks/results/gpu] [--doc docs/gpu-check.md]
 """
 
 import collections
 import os
 
-from report import rows, section_main
+from benchmarks.report import rows, section_main
 
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 PHASES = ("smoke", "tests", "kernels", "train", "fp8")

@@ -17,7 +17,7 @@ With `--fp8=RECIPE` the projections run in fp8 (compute.fp8; the MFU numerator s
 FLOPs, against the bf16 figures), and `--xla_options` passes XLA options (e.g.
 xla_gpu_enable_triton_gemm=false: cuBLASLt fp8 GEMMs instead of the autotuner's choice).
 
-Usage: python benchmarks/gpu_train.py --attention=cudnn --remat=none [--batches=4,2,1]
+Usage: python -m benchmarks.gpu_train --attention=cudnn --remat=none [--batches=4,2,1]
          [--seq=4096] [--layers=8] [--steps=10] [--warmup=3] [--peak_tflops=N]
          [--fp8=tensorwise] [--xla_options=k=v] [--rehearse]
 """
@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import json
 
-import train_step  # benchmarks/train_step.py, beside this script
+from benchmarks import train_step
 
 
 def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool,
@@ -40,8 +40,9 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
     model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
                                 num_kv_heads=2, head_dim=32, mlp_dim=256)
   fp8_config = Fp8Config() if fp8 == "none" else Fp8Config(enabled=True, recipe=fp8)
-  cfg.model = dataclasses.replace(model, num_layers=layers, attention_impl=attention,
-                                  remat=remat, fp8=fp8_config)
+  cfg.model = dataclasses.replace(model, num_layers=layers)
+  cfg.compute = dataclasses.replace(cfg.compute, attention_impl=attention, remat=remat,
+                                    fp8=fp8_config)
   cfg.xla_options = xla_options
   cfg.batch_size, cfg.seq_len, cfg.sample_tokens = batch, seq, 0
   cfg.data = DataConfig(source="synthetic")

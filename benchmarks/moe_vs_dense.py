@@ -7,7 +7,7 @@ model: final train loss (mean next-token NLL over the last 20 steps), held-out e
 parameter counts, median step time and, for the MoE, the routing metrics of the last step.
 
 Usage:
-  python benchmarks/moe_vs_dense.py [--steps=300] [--variants=dense,dropless,dropping]
+  python -m benchmarks.moe_vs_dense [--steps=300] [--variants=dense,dropless,dropping]
       [--batch=32 --seq=128] [--workdir=/tmp/moe_vs_dense]
 """
 

@@ -8,7 +8,7 @@ all-gathers issued one iteration ahead (FSDP prefetch). The last lines compare o
 sequence-parallel MLP block at the model's sizes on tensor=8, with XLA's all-gather/reduce-
 scatter and with the collective matmuls of sharding/collective_matmul.py.
 
-  .venv/bin/python benchmarks/overlap.py [--only N] [--presets none,overlap_v1] [--no_block]
+  .venv/bin/python -m benchmarks.overlap [--only N] [--presets none,overlap_v1] [--no_block]
 """
 
 import argparse
@@ -47,8 +47,8 @@ LAYOUTS = [  # (target, name, mesh, batch, remat, presets)
 def config(mesh: MeshConfig, batch: int, remat: str, preset: str):
   cfg = llama.large("playbook_8b")
   cfg.mesh, cfg.batch_size, cfg.seq_len, cfg.xla_preset = mesh, batch, SEQ, preset
-  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32",
-                                  remat=remat)
+  cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16", param_dtype="float32")
+  cfg.compute = dataclasses.replace(cfg.compute, remat=remat)
   return cfg
 
 
@@ -81,8 +81,7 @@ def block(grad: bool, collective: bool) -> dict:
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   args = ["h100x8", "8", "dims=1,4096,4096,14336"] + ["grad"] * grad + ["plain"] * (not collective)
   start = time.perf_counter()
-  out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "sp_mlp_block.py"),
-                        *args], cwd=repo,
+  out = subprocess.run([sys.executable, "-m", "benchmarks.sp_mlp_block", *args], cwd=repo,
                        capture_output=True, text=True, check=True,
                        env={**env, "JAX_PLATFORMS": "cpu"}).stdout
   cols = hlo.collectives(out)

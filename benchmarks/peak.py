@@ -2,7 +2,7 @@
 denominator on CPU) and the memory bandwidth of a large copy. On a GPU the same script measures
 the GPU.
 
-Usage: python benchmarks/peak.py [--sizes 1024,2048,4096] [--dtypes float32,bfloat16]
+Usage: python -m benchmarks.peak [--sizes 1024,2048,4096] [--dtypes float32,bfloat16]
                                  [--copy_mib 1024] [--repeats 5]
 """
 

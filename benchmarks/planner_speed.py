@@ -8,7 +8,7 @@ asserted in a timed test.
   compiles included (the bound: under 5 minutes on 2 cores), and what the compiles decided:
   layouts refused before compiling, compiled past the GPU's memory, fitting, and the best.
 
-Usage: python benchmarks/planner_speed.py [--repeats 3] [--skip_compile_top]
+Usage: python -m benchmarks.planner_speed [--repeats 3] [--skip_compile_top]
          >> benchmarks/results/planner_speed.jsonl
 """
 

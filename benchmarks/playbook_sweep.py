@@ -19,7 +19,7 @@ per-layer overhead, cross-node pipeline hop, overlap fractions) by least squares
 throughput on a sample of 10% of the runs drawn per cell with a fixed seed; the model's form is
 unchanged (no per-layout terms).
 
-  .venv/bin/python benchmarks/playbook_sweep.py [--fit] [--out FILE] [--doc docs/planning.md]
+  .venv/bin/python -m benchmarks.playbook_sweep [--fit] [--out FILE] [--doc docs/planning.md]
 """
 
 import argparse
@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import sys
 
 from configs import llama
 from sharding.layout import Layout
@@ -294,8 +293,7 @@ def main() -> None:
       print(json.dumps({k: v for k, v in r.items() if k != "cells"}), flush=True)
       f.write(json.dumps(r) + "\n")
   if args.doc:
-    sys.path.insert(0, HERE)
-    from report import replace_section
+    from benchmarks.report import replace_section
     replace_section(args.doc, BEGIN, END, render(args.out))
 
 

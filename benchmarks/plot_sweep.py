@@ -2,7 +2,7 @@
 and (micro-batches, remat), the scaling lines of each strategy over 1-8 devices, and measured
 against predicted throughput and memory.
 
-Usage: python benchmarks/plot_sweep.py [--csv benchmarks/results/sweep.csv]
+Usage: python -m benchmarks.plot_sweep [--csv benchmarks/results/sweep.csv]
            [--out_dir benchmarks/results]   -> sweep_heatmap.png, sweep_scaling.png
 """
 

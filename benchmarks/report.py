@@ -7,7 +7,7 @@ replaces the text between the `<!-- results:begin -->` and `<!-- results:end -->
 Numbers are medians over the rounds of one `make bench` run; "other cores" is the CPU that other
 processes used during the timed steps (2 cores: anything well above 0 means they competed).
 
-  python benchmarks/report.py [--results benchmarks/results] [--doc docs/results.md]
+  python -m benchmarks.report [--results benchmarks/results] [--doc docs/results.md]
 """
 
 import argparse

@@ -7,23 +7,21 @@ prediction's constants are the H100 profile's (sharding/plan/hardware.py), fixed
 sources before this comparison was first run. One JSON line per anchor, then (with --doc) the
 section of docs/planning.md between its markers.
 
-  .venv/bin/python benchmarks/step_time_anchors.py [--only NAME] [--out FILE] [--doc docs/planning.md]
+  .venv/bin/python -m benchmarks.step_time_anchors [--only NAME] [--out FILE]
+      [--doc docs/planning.md]
 """
 
 import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
+from benchmarks.report import replace_section
 from configs import llama
 from sharding.mesh import MeshConfig
 from sharding.xla import compiled
 from trainer.aot import compile_for_gpus
-
-sys.path.insert(0, os.path.dirname(__file__))
-from report import replace_section  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_time_anchors.jsonl")
 BEGIN, END = "<!-- step-time-anchors:begin -->", "<!-- step-time-anchors:end -->"
@@ -42,7 +40,7 @@ class Anchor:
   microbatches: int
   remat: str
   differences: str  # what the published run does that meshtron's program does not, or ""
-  model: tuple = ()  # model config overrides, (field, value) pairs
+  compute: tuple = ()  # compute config overrides, (field, value) pairs
 
 
 ANCHORS = (
@@ -61,7 +59,7 @@ ANCHORS = (
     Anchor("NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses", "as the row above", 10_153,
            "llama3_8b", "h100x8", dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
            "as above, and meshtron splits the context by Ulysses all-to-alls around its flash"
-           " kernel where NeMo passes K/V around a ring", model=(("context_impl", "ulysses"),)),
+           " kernel where NeMo passes K/V around a ring", compute=(("context_impl", "ulysses"),)),
     Anchor("torchtitan Llama-3.1-8B, FSDP 8", "torchtitan benchmarks/llama3_h100_202412_"
            "torchtitan.md Table 1 (FSDP + torch.compile, local batch 2, seq 8192)", 6_667,
            "llama3_8b", "h100x8", dict(fsdp=8), 16, 8192, 1, "selective",
@@ -74,8 +72,8 @@ def config(a: Anchor):
   cfg = llama.large(a.preset)
   cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
   cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches
-  cfg.model = dataclasses.replace(cfg.model, remat=a.remat,  # attention "auto": pallas_flash
-                                  **dict(a.model))
+  cfg.compute = dataclasses.replace(cfg.compute, remat=a.remat,  # attention "auto": pallas_flash
+                                    **dict(a.compute))
   return cfg
 
 

@@ -1,7 +1,7 @@
 """The playbook's layout sweep in miniature: every layout of 8 fake CPU devices x micro-batches x
 remat for a small model, measured (throughput, MFU, compiled memory, collectives) next to the
 analytic prediction of sharding/plan/estimate.py + sharding/plan/hardware.py, written to CSV; plus the
-scaling lines (each strategy on 1, 2, 4, 8 devices). Plot with benchmarks/plot_sweep.py.
+scaling lines (each strategy on 1, 2, 4, 8 devices). Plot with `python -m benchmarks.plot_sweep`.
 
 The layouts are a list of dicts (LAYOUTS below): adding a strategy is adding rows. Expert
 parallelism needs a MoE, and the sweep's model is dense: its rows are written as `skipped` with
@@ -13,7 +13,7 @@ replicated work, smaller matmuls), not what more hardware gains. On a shared mac
 tokens_per_cpu_s (tokens per CPU-second of this process), which other load moves far less than
 tokens_per_s.
 
-Usage: python benchmarks/sweep.py [--out benchmarks/results/sweep.csv] [--quick]
+Usage: python -m benchmarks.sweep [--out benchmarks/results/sweep.csv] [--quick]
            [--model small --batch 32 --seq 128 --steps 4 --warmup 2] [--peak_file ...]
            [--layouts "fsdp=4,context=2;fsdp=4,pipeline=2"]  (only these; their rows replace
            the same rows of an existing --out, the others are kept)
@@ -24,14 +24,13 @@ import csv
 import dataclasses
 import math
 import os
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # before JAX starts: 8 fake CPU devices (a test keeps its own)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
 
-import train_step  # noqa: E402  (benchmarks/train_step.py)
+from benchmarks import train_step  # noqa: E402
 
 AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 SKIPPED = {"expert": "expert parallelism needs a MoE; the sweep's model is dense"
@@ -84,8 +83,9 @@ def predict(cfg, devices: int, peak_flops: float, bandwidth: float) -> dict:
   from sharding.plan import estimate, hardware
   layout = cfg.layout(devices)
   precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
-  mem = estimate.memory(cfg.model, layout, cfg.seq_len, precision, workspace_bytes=0)
-  t = hardware.step_time(cfg.model, layout, cfg.seq_len, precision,
+  spec = estimate.model_spec(cfg.model, cfg.compute)
+  mem = estimate.memory(spec, layout, cfg.seq_len, precision, workspace_bytes=0)
+  t = hardware.step_time(spec, layout, cfg.seq_len, precision,
                          cpu_profile(peak_flops, bandwidth, devices))
   return dict(predicted_tokens_per_s=round(t.tokens_per_s_per_gpu * devices, 1),
               predicted_step_s=round(t.step_s, 5), predicted_mem_gib=round(mem.total / 2**30, 4))

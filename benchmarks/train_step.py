@@ -9,7 +9,7 @@ timed step (fresh host memory; trainer/process/host_memory.py). Optional `jax.pr
 command line it runs under the trainer's malloc settings, like `meshtron`.
 
 Usage:
-  python benchmarks/train_step.py --model=100m --devices=8 --layout=fsdp=4,tensor=2 \
+  python -m benchmarks.train_step --model=100m --devices=8 --layout=fsdp=4,tensor=2 \
       [--batch=8 --seq=256 --remat=none --dtype=float32 --microbatches=1 --steps=10 --warmup=3]
       [--layers=N] [--steps=0: compile only] [--peak_file=benchmarks/results/peak.jsonl]
       [--trace=DIR] [--label=NAME]
@@ -65,12 +65,12 @@ def layout_name(layout: dict) -> str:
 def make_config(model: str, layout: dict, *, batch: int, seq: int, remat: str, dtype: str,
                 microbatches: int = 1, layers: int = 0, steps: int = 100):
   """The TrainConfig of a benchmark run: synthetic data, no persistent compile cache."""
-  from models.config import ModelConfig
+  from models import ComputeConfig, ModelConfig
   from sharding.mesh import MeshConfig
   from trainer.config import DataConfig, TrainConfig
   dims = dict(MODELS[model], **({"num_layers": layers} if layers else {}))
   return TrainConfig(
-      model=ModelConfig(**dims, remat=remat, dtype=dtype),
+      model=ModelConfig(**dims, dtype=dtype), compute=ComputeConfig(remat=remat),
       mesh=MeshConfig(**{"data": 1, **layout}), batch_size=batch, seq_len=seq,
       microbatches=microbatches, steps=max(steps, 1), data=DataConfig(source="synthetic"),
       compilation_cache_dir="", sample_tokens=0, eval_every=10**9)

@@ -1,35 +1,40 @@
 """The benchmark scripts work, and the property the benchmarks rely on: no recompilation after the
 first step, on the AOT path (`Trainer.compiled_step`) and on the jitted path (`Trainer.train_step`,
-`Trainer.eval_step`), with JAX's cache-miss explanations on."""
+`Trainer.eval_step`), with JAX's cache-miss explanations on. The benchmarks are the `benchmarks`
+package (`python -m benchmarks.<name>`); program_hashes' programs are the layout matrix's."""
 
 import json
 import logging
 import os
 import re
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from benchmarks import peak, plot_sweep, program_hashes, sweep, train_step
 from sharding import MeshConfig
+from tests import parallel_harness as harness
+from tests.test_parallel import LAYOUTS
 from trainer.config import DataConfig, TrainConfig
 from trainer.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-
-import peak  # noqa: E402  (benchmarks/peak.py)
-import plot_sweep  # noqa: E402
-import sweep  # noqa: E402
-import train_step  # noqa: E402
 
 
 @pytest.fixture
 def explain_cache_misses():
   jax.config.update("jax_explain_cache_misses", True)
+  jax.config.update("jax_log_compiles", True)  # every lowering of a jitted function is logged
   yield
+  jax.config.update("jax_log_compiles", False)
   jax.config.update("jax_explain_cache_misses", False)
+
+
+def compiles(records, name: str) -> int:
+  """How many times the jitted function `name` was lowered and compiled, from jax_log_compiles'
+  "Compiling jit(NAME) ..." lines."""
+  return sum(r.getMessage().startswith(f"Compiling jit({name})") for r in records)
 
 
 def small_trainer(mesh: MeshConfig) -> Trainer:
@@ -43,21 +48,22 @@ def test_no_recompilation_after_the_first_step(explain_cache_misses, caplog):
   trainer = small_trainer(MeshConfig(data=1, fsdp=4, tensor=2))
   trainer.init_state()
   batches = trainer.iterator("train")
-  with trainer.scope():
+  with trainer.scope(), caplog.at_level(logging.WARNING):
     # First calls: each function traces and compiles once.
     trainer.state, metrics = trainer.train_step(trainer.state, trainer.to_device(next(batches)))
     first = float(metrics["loss"])
     trainer.eval_step(trainer.state.params, trainer.to_device(next(batches)))
+    first_compiles = [compiles(caplog.records, n) for n in ("train_step", "eval_step")]
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
-      for _ in range(2):  # new batches, the donated state coming back: same shardings, same shapes
-        trainer.state, metrics = trainer.train_step(trainer.state,
-                                                    trainer.to_device(next(batches)))
-      out = trainer.eval_step(trainer.state.params, trainer.to_device(next(batches)))
+    for _ in range(2):  # new batches, the donated state coming back: same shardings, same shapes
+      trainer.state, metrics = trainer.train_step(trainer.state,
+                                                  trainer.to_device(next(batches)))
+    out = trainer.eval_step(trainer.state.params, trainer.to_device(next(batches)))
   assert np.isfinite(first) and np.isfinite(float(metrics["loss"]))
   assert float(out["tokens"]) > 0
-  assert trainer.train_step._cache_size() == 1
-  assert trainer.eval_step._cache_size() == 1
+  # Each compiled exactly once, at its first call, and never again.
+  assert first_compiles == [1, 1]
+  assert compiles(caplog.records, "train_step") == compiles(caplog.records, "eval_step") == 0
   # With jax_explain_cache_misses on, any retrace or recompile would be logged here.
   misses = [r.getMessage() for r in caplog.records if "cache miss" in r.getMessage().lower()]
   assert not misses, misses[:1]
@@ -125,3 +131,25 @@ def test_maxtext_peer_runs_the_same_models():
     line = re.search(rf"^\s*{model}\) export (.*?);;", text, re.M).group(1)
     dims = dict(kv.split("=") for kv in line.split())
     assert {keys[k]: int(v) for k, v in dims.items()} == train_step.MODELS[model]
+
+
+def test_program_hashes_hashes_the_layout_matrix_programs():
+  """benchmarks.program_hashes keeps its own copy of the layout matrix (benchmarks import no
+  tests): its 15 named layouts are tests/test_parallel.LAYOUTS (names, mesh configs, options, in
+  order), its run is tests/parallel_harness's, and each of its programs is the config the
+  harness builds for the same layout; its programs are those of the committed hashes."""
+  assert list(program_hashes.LAYOUTS) == list(LAYOUTS)
+  assert program_hashes.LAYOUTS == LAYOUTS
+  for name in ("MODEL", "COMPUTE", "OPTIM", "BATCH", "SEQ", "STEPS"):
+    assert getattr(program_hashes, name) == getattr(harness, name), name
+  tables = {**program_hashes.cpu_table(), **program_hashes.gpu_table()}
+  for name, (mesh_cfg, options) in tables.items():
+    assert program_hashes.config(mesh_cfg, **options) == harness.config(mesh_cfg, **options), name
+  programs = program_hashes.programs()
+  for name, (mesh_cfg, options) in LAYOUTS.items():
+    assert programs[name] == harness.config(mesh_cfg, **options), name
+  gpu = program_hashes.gpu_programs()
+  assert len(programs) == 21 and len(gpu) == 3 and not set(programs) & set(gpu)
+  path = os.path.join(REPO, "benchmarks", "results", "program_hashes.jsonl")
+  committed = [json.loads(line)["program"] for line in open(path, encoding="utf-8")]
+  assert committed == [*programs, *gpu]

@@ -240,7 +240,7 @@ def test_switching_the_fp8_recipe_on_resume(tmp_path):
   that names the checkpoint's settings, the checkpoint left untouched."""
   def fp8_run(recipe, steps):
     cfg = tiny_run(steps=steps, checkpoint=_every(2))
-    cfg.model = dataclasses.replace(cfg.model, fp8=Fp8Config(enabled=True, recipe=recipe))
+    cfg.compute = dataclasses.replace(cfg.compute, fp8=Fp8Config(enabled=True, recipe=recipe))
     return cfg
   loop.run(fp8_run("tensorwise", 2), str(tmp_path))
   files = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}

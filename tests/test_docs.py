@@ -6,7 +6,6 @@ only: no network (http(s) links are checked for their syntax)."""
 import glob
 import os
 import re
-import sys
 import urllib.parse
 
 import pytest
@@ -101,11 +100,7 @@ def test_a_broken_link_or_anchor_is_caught():
 
 def generators():
   """(module, doc name) of each generated section's writer."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  import gpu_report
-  import playbook_sweep
-  import report
-  import step_time_anchors
+  from benchmarks import gpu_report, playbook_sweep, report, step_time_anchors
   return [(report, "results"), (gpu_report, "gpu-check"), (step_time_anchors, "planning"),
           (playbook_sweep, "planning")]
 
@@ -120,5 +115,5 @@ def test_each_generated_section_is_once_in_its_doc():
 
 def test_make_bench_writes_the_results_section_into_its_doc():
   makefile = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
-  (target,) = re.findall(r"benchmarks/report\.py .*--doc (\S+)", makefile)
+  (target,) = re.findall(r"-m benchmarks\.report .*--doc (\S+)", makefile)
   assert os.path.join(REPO, target) == doc_path("results")

@@ -12,11 +12,10 @@ import tomllib
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from benchmarks import gpu_check, gpu_report
+from tests.docs_text import section
 
-import gpu_report  # noqa: E402  (benchmarks/gpu_report.py)
-from tests.docs_text import section  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FACTS = ("gpu", "driver", "jax", "jaxlib", "python", "commit", "date", "rehearsal")
 # What exists only on an NVIDIA GPU: a rehearsal skips exactly these gpu tests.
@@ -56,7 +55,7 @@ FAST_PHASES = tuple(phase for phase in gpu_report.PHASES if phase != "tests")
 def rehearse(out, phase: str) -> None:
   """One phase on the CPU at tiny sizes into `out`, as `--phase=all` runs each (a fresh process).
   One remat policy: the train phase's code path is the same for each."""
-  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"),
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check",
                          "--rehearse", f"--phase={phase}", f"--out_dir={out}", "--remat=full"],
                         cwd=REPO, capture_output=True, text=True, env=cpu_env(), timeout=900)
   assert proc.returncode == 0, (phase, proc.stdout[-3000:], proc.stderr[-3000:])
@@ -181,7 +180,6 @@ def test_carried_wheels_are_the_pinned_versions():
 
 
 def test_carried_wheels_install_only_what_is_missing_unless_pinned():
-  import gpu_check
   files = ["/w/flax-0.12.8-py3-none-any.whl", "/w/not_a_real_package_xyz-1.0-py3-none-any.whl"]
   assert gpu_check.wheels_to_install(files, "missing") == files[1:]  # flax is installed here
   assert gpu_check.wheels_to_install(files, "pinned") == files

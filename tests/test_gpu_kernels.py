@@ -25,9 +25,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import kernels
 from kernels import flash_attention, reference
-from models import ModelConfig
+from models import ComputeConfig, ModelConfig
 from models.config import MoEConfig
 from models.moe import MoE
+from sharding import local_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -240,11 +241,12 @@ def test_moe_dropless_equals_the_dense_reference(gpu, record_property, dtype):
   """Tokens sorted by expert through `jax.lax.ragged_dot` (the grouped GEMM) equal every expert on
   every token mixed by the router weights, forward and gradients; the reference in float32 at
   `highest` precision. float32 at the CPU test's 1e-5 (also `highest`), bf16 at 2e-2."""
-  # The same parameters (same init) under the tested compute dtype and under float32.
-  graphdef, state = nnx.split(MoE(dataclasses.replace(BASE, moe=EXPERTS, dtype=dtype),
-                                  rngs=nnx.Rngs(SEED % 1000)))
-  reference_graphdef, reference_state = nnx.split(MoE(dataclasses.replace(BASE, moe=EXPERTS),
-                                                      rngs=nnx.Rngs(SEED % 1000)))
+  # The same parameters (same init) under the tested compute dtype and under float32, each
+  # built for one device of this machine's platform (its grouped matmul kernel).
+  def build(cfg):
+    return nnx.split(MoE(cfg, ComputeConfig(), local_layout(cfg), rngs=nnx.Rngs(SEED % 1000)))
+  graphdef, state = build(dataclasses.replace(BASE, moe=EXPERTS, dtype=dtype))
+  reference_graphdef, reference_state = build(dataclasses.replace(BASE, moe=EXPERTS))
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference_state)):
     np.testing.assert_array_equal(a, b)
   tokens = gpu.pick((4, 1024), (2, 16))

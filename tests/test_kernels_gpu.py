@@ -130,7 +130,8 @@ def train_step_peak(seq_len: int, attention_impl: str) -> int:
   cfg = llama.debug()
   cfg.mesh = MeshConfig(data=4, tensor=2)
   cfg.batch_size, cfg.seq_len = 8, seq_len
-  cfg.model = dataclasses.replace(ATTENTION_HEAVY, attention_impl=attention_impl)
+  cfg.model = ATTENTION_HEAVY
+  cfg.compute = dataclasses.replace(cfg.compute, attention_impl=attention_impl)
   return compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8")).memory["peak"]
 
 

@@ -304,7 +304,7 @@ def test_the_planner_speed_benchmark_runs_the_search_its_results_record():
   considers the layouts its committed results counted (tests/test_readme_figures.py checks
   docs/planning.md against those results)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "benchmarks/planner_speed.py", "--skip_compile_top",
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.planner_speed", "--skip_compile_top",
                          "--repeats=1"], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -319,8 +319,7 @@ def test_the_whole_sweep_is_scored_from_the_committed_data():
   """benchmarks/playbook_sweep.py: the derived data holds every successful 1M-token run of the
   four playbook models (26 (model, nodes) cells), the fit sample is 10% of the physical runs,
   the unfitted scores reproduce the committed results, and docs/planning.md shows them."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  import playbook_sweep as sweep
+  from benchmarks import playbook_sweep as sweep
   runs = sweep.runs()
   assert len(runs) == 1746 and all(int(r["dp"]) * int(r["mbs"]) * int(r["ga"]) == 256
                                    for r in runs)
@@ -347,8 +346,7 @@ def test_the_named_departures_come_from_each_runs_record():
   """The two departures are read from a run's own record, never from a prediction: pipeline runs
   before nanotron's fix, and runs whose allocator reserved over 70 GB (benchmarks/
   playbook_sweep.named_departure); a cross-node group's bandwidth counts its members per node."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  import playbook_sweep as sweep
+  from benchmarks import playbook_sweep as sweep
   runs = sweep.runs()
   reasons = collections.Counter(sweep.named_departure(r) for r in runs)
   assert reasons["allocator pressure"] == sum(
