@@ -7,35 +7,40 @@ resolution (sharding/scope.py: spec, constrain, shardings) and Layout.bind, and 
 ambient state (default backend, devices, abstract mesh) not at all outside that resolution."""
 
 import inspect
+import os
 import sys
 
 import jax
 import pytest
 
+import kernels
 from benchmarks import program_hashes
 from sharding import layout as layout_module, scope
 from sharding.xla import compiled
 from trainer.trainer import Trainer
 
 OURS = ("cli", "configs", "trainer", "models", "sharding", "kernels")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUR_DIRS = tuple(os.path.join(REPO, package) + os.sep for package in OURS)
 
 
 class AmbientRead(AssertionError):
   """A decision read from an ambient scope while tracing."""
 
 
-def _allowed(frame) -> bool:
-  """Whether the function in `frame` may read the scope: sharding/scope.py's own functions
-  (the logical names' resolution) and Layout.bind's wrapper."""
+def _allowed(frame, ours: tuple[str, ...]) -> bool:
+  """Whether the function in `frame` may read an ambient scope: anything outside `ours` (JAX's
+  own lowering asks for devices), and of ours sharding/scope.py's functions (the logical names'
+  resolution) and Layout.bind's wrapper."""
   code = frame.f_code
-  return code.co_filename == scope.__file__ or (
+  return not code.co_filename.startswith(ours) or code.co_filename == scope.__file__ or (
       code.co_filename == layout_module.__file__ and code.co_name == "bound")
 
 
-def _guarded(name: str, original):
+def _guarded(name: str, original, ours: tuple[str, ...]):
   def reader(*args, **kwargs):
     caller = inspect.currentframe().f_back
-    if not _allowed(caller):
+    if not _allowed(caller, ours):
       raise AmbientRead(f"{name} read by {caller.f_code.co_name} in"
                         f" {caller.f_code.co_filename}:{caller.f_lineno} while tracing")
     return original(*args, **kwargs)
@@ -53,9 +58,12 @@ def ambient_readers_raise(monkeypatch):
   originals = {name: getattr(owner, attr) for name, (owner, attr) in readers.items()}
 
   class Guard:
+    def __init__(self, ours: tuple[str, ...] = OUR_DIRS):
+      self.ours = ours
+
     def __enter__(self):
       for name, (owner, attr) in readers.items():
-        guarded = _guarded(name, originals[name])
+        guarded = _guarded(name, originals[name], self.ours)
         monkeypatch.setattr(owner, attr, guarded)
         # Modules that imported the reader by name hold it too.
         for module_name, module in list(sys.modules.items()):
@@ -89,13 +97,24 @@ def test_no_decision_is_read_from_an_ambient_scope(ambient_readers_raise, name, 
 
 
 def test_the_guard_catches_a_decision_read_while_tracing(ambient_readers_raise):
-  """A function that asks the scope for a decision while tracing is caught (the test above
-  would fail on it), and so is one reading JAX's default backend."""
+  """What the test above would fail on: kernels.attention left to choose "auto" itself reads
+  JAX's default backend while tracing, and a decision reader planted among our modules (here
+  this test file, counted as ours) that asks the sharding scope is caught too; the kernel the
+  layout chose reads nothing."""
   name, cfg, target = PROGRAMS[0]
   trainer = _trainer(cfg, target)
+  q = jax.ShapeDtypeStruct((1, 8, 2, 4), "float32")
   with trainer.scope(), ambient_readers_raise():
-    with pytest.raises(AmbientRead, match="sharding.scope.active"):
-      jax.jit(lambda x: x * (scope.active().mesh.size if scope.active() else 1)).lower(1.0)
-    with pytest.raises(AmbientRead, match="jax.default_backend"):
-      jax.jit(lambda x: x if jax.default_backend() == "cpu" else -x).lower(1.0)
+    with pytest.raises(AmbientRead, match="jax.default_backend read by attention"):
+      jax.jit(lambda q: kernels.attention(q, q, q, impl="auto")).lower(q)
+    jax.jit(lambda q: kernels.attention(q, q, q, impl="xla")).lower(q)
+  planted = (*OUR_DIRS, os.path.abspath(__file__))
+  with trainer.scope(), ambient_readers_raise(planted):
+    with pytest.raises(AmbientRead, match="sharding.scope.active read by planted_reader"):
+      jax.jit(planted_reader).lower(1.0)
   del name
+
+
+def planted_reader(x):
+  """A decision read from the ambient scope (the mesh's size), as the layout forbids."""
+  return x * scope.active().mesh.size
