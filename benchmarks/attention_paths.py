@@ -1,4 +1,6 @@
-"""Prints JSON lines: CPU wall time of the attention paths, and compiled memory of the kernels.
+"""Prints JSON lines: CPU wall time of the attention paths, the key and query blocks the Pallas
+flash kernel visits under a sliding window (kernels.flash_attention.visit_counts: the work the
+window skips), and compiled memory of the kernels.
 
 The CPU times are information only (pallas_flash runs in the Pallas interpreter there). The
 memory lines come from `memory_analysis()` of compiled programs: the chunked vs dense loss on
@@ -23,6 +25,7 @@ import kernels
 from configs import llama
 from kernels import reference
 from kernels.cross_entropy import chunked_cross_entropy
+from kernels.flash_attention import visit_counts
 from models import ModelConfig
 from sharding import MeshConfig
 from sharding.xla import compiled
@@ -68,6 +71,23 @@ def attention_times(lengths, repeats: int) -> None:
              compile_s=round(compile_s, 2), wall_ms=round(wall_ms, 2), cpu_ms=round(cpu_ms, 2))
 
 
+def flash_block_visits(length: int = 1024, windows=(0, 128, 512)) -> None:
+  """Blocks each of the flash kernel's loops visits (forward and dQ: key blocks; dK/dV: query
+  blocks), summed over programs, per sliding window (0: causal), at H100's default block sizes:
+  the fraction of causal attention's block work a window keeps."""
+  key = jax.random.PRNGKey(0)
+  q = jax.random.normal(key, (1, length, 4, 64), jnp.float32)
+  kv = jax.random.normal(key, (1, length, 2, 64), jnp.float32)
+  causal = None
+  for window in windows:
+    counts = jax.jit(lambda q, k, v, w=window: visit_counts(
+        q, k, v, window=w, interpret=True))(q, kv, kv)
+    visits = {name: int(np.asarray(count).sum()) for name, count in counts.items()}
+    causal = causal or visits
+    emit(benchmark="flash_block_visits", seq=length, window=window, **visits,
+         **{f"{name}_of_causal": round(visits[name] / causal[name], 3) for name in visits})
+
+
 def loss_memory(length=4096, dim=256, vocab=128 * 1024, chunk=256) -> None:
   args = (jax.ShapeDtypeStruct((1, length, dim), jnp.float32),
           jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
@@ -111,6 +131,7 @@ def main() -> None:
                       help="also compile the train step for 8 H100s (gpu-aot extra, ~1 min)")
   args = parser.parse_args()
   attention_times([int(x) for x in args.lengths.split(",")], args.repeats)
+  flash_block_visits()
   loss_memory()
   if args.gpu:
     gpu_train_step_memory()

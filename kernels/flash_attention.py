@@ -372,7 +372,8 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, window: i
 
 
 def visit_counts(q, k, v, segment_ids=None, **options):
-  """Trip counts of the kernels' block loops, an int32 per program, for tests: "fwd" [L / block_q,
+  """Trip counts of the kernels' block loops, an int32 per program (the tests check them, and
+  benchmarks/attention_paths.py reports the work a window skips): "fwd" [L / block_q,
   B, H] and "dq" [L / block_q_bwd, B, H] key blocks; "dkv" [L / block_k_bwd, B, K] query blocks
   summed over the group's heads. `options`: flash_attention's; L and blocks as padded/shrunk."""
   q, k, v, seg, st = _prepare(q, k, v, segment_ids, count_visits=True, **options)
