@@ -71,7 +71,7 @@ def main(argv=None) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from trainer.process import host_memory
   if argv is None:
-    host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/host_memory.py)
+    host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/)
   for variant in variants:
     print(json.dumps(run(variant, os.path.join(args.workdir, variant), steps=args.steps,
                          batch=args.batch, seq=args.seq)), flush=True)

@@ -50,7 +50,7 @@ def main() -> None:
   parser.add_argument("--copy_mib", type=int, default=1024, help="0 skips the copy measurement")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/host_memory.py)
+  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/)
   for dtype in args.dtypes.split(","):
     for size in map(int, args.sizes.split(",")):
       start = time.perf_counter()

@@ -139,7 +139,7 @@ def main() -> None:
                                                           "peak.jsonl"))
   args = parser.parse_args()
   from trainer.process import host_memory
-  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/host_memory.py)
+  host_memory.reexec_with_tunables()  # the trainer's malloc settings (trainer/process/)
   from trainer.metrics import measure_matmul_flops
   peak = train_step.peak_from_file(args.peak_file, "float32") or \
       measure_matmul_flops("float32", 2048, 10)

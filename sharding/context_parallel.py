@@ -60,8 +60,8 @@ def check_ulysses_degree(impl: str, degree: int) -> None:
   """One-line ValueError for a compute.ulysses_degree its context_impl cannot take."""
   if not {"ulysses": degree >= 0, "ulysses_ring": degree > 0}.get(impl, degree == 0):
     raise ValueError(f"compute.ulysses_degree={degree} does not fit"
-                     f" compute.context_impl={impl!r}: ulysses takes 0 or the context size, ulysses_ring its inner factor"
-                     " (> 0), ring and allgather 0")
+                     f" compute.context_impl={impl!r}: ulysses takes 0 or the context size,"
+                     " ulysses_ring its inner factor (> 0), ring and allgather 0")
 
 
 def ulysses_degree(impl: str, degree: int, context: int) -> int:

@@ -54,7 +54,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
     data: the microbatches {name: [M, b, ...]}, replicated over stages; their rows split over
       the data-parallel replicas.
     present: uneven stages: {stack: [stages x virtual, L / (stages x virtual)] bool}, the rows of
-      each position (model order) that hold a layer (sharding/pipeline/stage_split.py); {}: all rows.
+      each position (model order) that hold a layer (sharding/pipeline/stage_split.py); {}:
+      all rows.
     by_max: (tree like `layers`, tree like `shared`) of bools: the leaves whose "gradients" are
       combined by max over microbatches and stages instead of summed (fp8 amax histories);
       None: every leaf summed.

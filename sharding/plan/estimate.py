@@ -387,7 +387,7 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
                                                lay.microbatches, lay.virtual_stages)
   # Each multi-token prediction module stores about a layer's activations and its own logits, for
   # one microbatch: with pipeline stages the last one runs them, and its backward follows each
-  # of its forwards at once (sharding/pipeline/executor.py recomputes the last position's forward there).
+  # of its forwards at once (the executor recomputes the last position's forward there).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)

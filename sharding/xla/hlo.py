@@ -229,14 +229,11 @@ def _constant_of(instrs: list[Instr], names: list[str], index: int) -> int | Non
   return int(m.group(1)) if m else None
 
 
-def executions(comps: dict[str, list[Instr]]) -> dict[str, int]:
-  """Executions per program run of each computation of `computations(...)`, as `collectives`
-  counts them (for ops that it does not list, e.g. ragged-all-to-all)."""
-  return _counts(comps)[0]
-
-
-def _counts(comps: dict[str, list[_Instr]]) -> tuple[dict[str, int], dict[str, bool], set[str]]:
-  """Executions per program run of each computation, its unknown-trip flag, async wrappers.
+def executions(comps: dict[str, list[_Instr]]
+               ) -> tuple[dict[str, int], dict[str, bool], set[str]]:
+  """Executions per program run of each computation of `computations(...)`, its unknown-trip
+  flag, and the async wrappers: what `collectives` counts by (and what counts ops it does not
+  list, e.g. ragged-all-to-all).
 
   A computation runs once per run of each call site, a while body known_trip_count times (its
   condition once more). Every conditional branch counts as taken, an upper bound. Computations
@@ -345,7 +342,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     ValueError: A collective's group size cannot be determined.
   """
   comps, header = _parse(hlo_text)
-  count, unknown, async_comps = _counts(comps)
+  count, unknown, async_comps = executions(comps)
   all_devices = _module_devices(header) or num_devices
   out = []
   for comp, instrs in comps.items():
