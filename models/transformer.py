@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import Attention
@@ -141,8 +142,14 @@ class Transformer(nnx.Module):
                            present.get("layers"))
     if self.moe_layers is None:
       return x_BLD, {}
-    x_BLD, per_layer = self._run(self.moe_layers, x_BLD, positions_BL, segment_ids_BL,
-                                 present.get("moe_layers"))
+    rows = present.get("moe_layers")
+    if rows is None and self.layout.in_pipeline_stage and self.config.moe.dispatch == "dropless":
+      # Every row runs, but under the padded stacks' cond: a dropless region nested directly in
+      # the stage's scan is refused by Shardy ("manual axes come before free axes": the stage's
+      # `pipeline` reaches it as a free axis); under the cond it lowers and trains like one
+      # device (tests/test_moe_pipeline.py). The padded stacks of uneven stages always had it.
+      rows = np.ones(jax.tree.leaves(nnx.state(self.moe_layers))[0].shape[0], bool)
+    x_BLD, per_layer = self._run(self.moe_layers, x_BLD, positions_BL, segment_ids_BL, rows)
     return x_BLD, summarize(per_layer, self.config.moe_layers())
 
   def logits(self, hidden_BLD) -> jax.Array:
