@@ -82,6 +82,13 @@ bench: $(STAMP)
 	  --peak_file=$(RESULTS)/peak.jsonl --label=trainer_malloc >> $(RESULTS)/host_memory.jsonl
 	$(BIN)/python -m benchmarks.report --results $(RESULTS) --doc docs/results.md
 
+# Issue [26]'s anchors table: published recipes compiled deviceless for their own clusters
+# (benchmarks/anchor_recipes.py), then its section of docs/planning.md; about 12 minutes of
+# compiles on 2 cores. The "before" rows are kept as committed. Not part of `make test`.
+.PHONY: anchors
+anchors: $(STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.step_time_anchors --doc docs/planning.md
+
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
 # `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl
 # (benchmarks/gpu_check.py). PHASE = smoke, tests, kernels, train, fp8 or all; each phase is one

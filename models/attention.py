@@ -8,9 +8,9 @@ from flax import nnx
 
 import kernels
 from models.config import ModelConfig
-from models.layers import Einsum, RMSNorm, projection_kw
+from models.layers import GATHERED, Einsum, RMSNorm, gather_sequence, projection_kw
 from models.rope import apply_rope, inverse_frequencies
-from sharding import constrain, context_attention, shard_map_logical
+from sharding import constrain, constrain_cotangent, context_attention, shard_map_logical
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -66,9 +66,12 @@ class Attention(nnx.Module):
                  cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.layout = layout  # the kernel (layout.attention) and the context split
     self.window = cfg.sliding_window
+    self.remat, self.dtype = compute.remat, cfg.dtype  # the input's gather (models/layers.py)
 
   def project(self, x_BLD, positions_BL):
     """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
+    if self.remat != "none":  # one gather for q, k and v (models/layers.py)
+      x_BLD = gather_sequence(x_BLD, self.dtype)
     q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
     k = constrain(self.k("BLD,DKd->BLKd", x_BLD), KV_NAMES)
     v = constrain(self.v("BLD,DKd->BLKd", x_BLD), KV_NAMES)
@@ -93,7 +96,8 @@ class Attention(nnx.Module):
     else:
       out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl, window=window)
     out = constrain(out, Q_NAMES)
-    return self.o("BLHd,HdD->BLD", out)
+    # Its gradient gathered once for both of o's backward dots (models/layers.py GATHERED).
+    return constrain_cotangent(self.o("BLHd,HdD->BLD", out), GATHERED)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL,
                window=None) -> jax.Array:

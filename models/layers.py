@@ -13,6 +13,20 @@ from sharding import constrain
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
 RESIDUAL = ("batch", "res_seq", "act_embed")
+# A projection input whose sequence is whole over `tensor`: under sequence parallelism the
+# residual's tokens are split there, and XLA gathers them for each dot that reads them (3 in
+# attention, 2 in the MLP, each again in the backward): one constraint makes it one gather, and
+# its transpose one reduce-scatter of the summed input gradients (Megatron-SP's collectives).
+GATHERED = ("batch", "seq", "act_embed")
+
+
+def gather_sequence(x_BLD: jax.Array, dtype) -> jax.Array:
+  """A projection input gathered once (GATHERED), in the compute `dtype` the projections cast it
+  to anyway. For layers that recompute ("selective", "full"): without recomputation the gathered
+  input would be kept whole for the backward (as [B·L, D] token rows, which a remat policy cannot
+  name), where Megatron-SP keeps the 1/tensor shard; there XLA gathers per dot instead."""
+  # Cast where it lies (RESIDUAL), or XLA may gather the float32 norm output in the recomputation.
+  return constrain(constrain(x_BLD.astype(dtype), RESIDUAL), GATHERED)
 
 
 def projection_kw(cfg, compute, layout, rngs: nnx.Rngs, target: str | None = None) -> dict:

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import RESIDUAL, Einsum, projection_kw
-from sharding import constrain, logical_all_gather_matmul, logical_matmul_reduce_scatter
+from models.layers import GATHERED, RESIDUAL, Einsum, gather_sequence, projection_kw
+from sharding import (constrain, constrain_cotangent, logical_all_gather_matmul,
+                      logical_matmul_reduce_scatter)
 
 HIDDEN = ("batch", "seq", "act_mlp")
 
@@ -21,6 +22,7 @@ class MLP(nnx.Module):
     self.up = Einsum((d, f), ("embed", "mlp"), (0,), **kw)
     self.down = Einsum((f, d), ("mlp", "embed"), (0,), **kw)
     self.collective_matmul = compute.collective_matmul
+    self.remat = compute.remat  # whether the input is gathered once (models/layers.py)
     self.layout = layout  # the collective matmuls' mesh
     self.dtype = cfg.dtype
 
@@ -28,9 +30,12 @@ class MLP(nnx.Module):
     if self.collective_matmul:
       return self._collective(x_BLD)
     names = HIDDEN
+    if self.remat != "none":  # one gather for gate and up (models/layers.py)
+      x_BLD = gather_sequence(x_BLD, self.dtype)
     hidden = jax.nn.silu(constrain(self.gate("BLD,DF->BLF", x_BLD), names))
     hidden = hidden * constrain(self.up("BLD,DF->BLF", x_BLD), names)
-    return self.down("BLF,FD->BLD", hidden)
+    # Its gradient gathered once for both of down's backward dots (models/layers.py GATHERED).
+    return constrain_cotangent(self.down("BLF,FD->BLD", hidden), GATHERED)
 
   def _collective(self, x_BLD: jax.Array) -> jax.Array:
     """The same MLP with the sequence-parallel all-gather and reduce-scatter decomposed into

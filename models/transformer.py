@@ -11,7 +11,7 @@ from flax import nnx
 from models.attention import Attention
 from models.compute import REMAT_POLICIES, ComputeConfig
 from models.config import ModelConfig
-from models.layers import RESIDUAL, Einsum, Embed, RMSNorm, projection_kw
+from models.layers import RESIDUAL, Einsum, Embed, RMSNorm, gather_sequence, projection_kw
 from models.mla import MLAttention
 from models import mtp
 from models.mlp import MLP
@@ -154,8 +154,10 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden_BLD) -> jax.Array:
     """The output head over final-norm outputs: [B, L, V]."""
-    logits = (self.embed.attend(hidden_BLD) if self.head is None
-              else self.head("BLD,DV->BLV", hidden_BLD))
+    if self.head is None:
+      logits = self.embed.attend(hidden_BLD)
+    else:  # gathered once for the head's forward and weight-gradient dots (models/layers.py)
+      logits = self.head("BLD,DV->BLV", gather_sequence(hidden_BLD, self.head.dtype))
     return constrain(logits, ("batch", "seq", "act_vocab"))
 
   def head_weights(self) -> jax.Array:

@@ -11,12 +11,14 @@ from sharding.mesh import (AXES, BATCH_AXES, LayoutError, MeshConfig, make_mesh,
 from sharding.resolution import layout_of, local_layout, resolve
 from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, lookup_moves_rows,
                             parse_overrides, role_rules, split_vocab_over_fsdp, with_overrides)
-from sharding.scope import (constrain, constrain_tree, excluding, is_names, named_sharding,
-                            record_constraints, replicated, spec, tree_shardings, use_rules)
+from sharding.scope import (constrain, constrain_cotangent, constrain_tree, excluding, is_names,
+                            named_sharding, record_constraints, replicated, spec,
+                            tree_shardings, use_rules)
 from sharding.shard_map import shard_map_logical
 
 __all__ = [
-    "AXES", "BATCH_AXES", "constrain", "constrain_tree", "context_attention", "DEFAULT_RULES",
+    "AXES", "BATCH_AXES", "constrain", "constrain_cotangent", "constrain_tree",
+    "context_attention", "DEFAULT_RULES",
     "dropless_experts", "excluding", "is_names", "Layout", "layout_of", "layout_rules",
     "LayoutError", "local_layout", "logical_all_gather_matmul", "logical_matmul_reduce_scatter",
     "logical_to_spec", "lookup_moves_rows", "make_mesh", "mesh_sizes", "MeshConfig",

@@ -100,6 +100,10 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
   if layout.in_pipeline_stage:
+    # Checked on GPUs even with a Pallas expert_fn (its Triton call types its outputs): off, the
+    # stage's arguments vary over `pipeline` while the region's results do not, and the
+    # backward's pullback refuses the mix. The CPU interpreter still needs it off.
+    check_vma = check_vma or layout.platform != "cpu"
     return _recomputed_in_backward(body, layout.stage_mesh(), in_specs, token_spec, check_vma)(
         x_BLD, ids_BLk, weights_BLk, *params)
   mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=token_spec,

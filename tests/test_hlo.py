@@ -188,6 +188,61 @@ def test_nested_while_trip_counts():
                                    "payload_bytes": 12 * 32}
 
 
+_TICKS = """\
+HloModule ticks, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%forward (v: f32[8]) -> f32[8] {
+  %v = f32[8]{0} parameter(0)
+  ROOT %fwd = f32[8]{0} all-reduce(%v), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%backward (v: f32[8]) -> f32[8] {
+  %v = f32[8]{0} parameter(0)
+  %bwd1 = f32[8]{0} all-reduce(%v), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %bwd2 = f32[8]{0} all-reduce(%bwd1), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%tick (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[8]{0} get-tuple-element(%t), index=1
+  %c = f32[8]{0} conditional(%i, %v, %v), branch_computations={%forward, %backward}
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %c)
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%tick, backend_config={"known_trip_count":{"n":"5"}}
+  %v = f32[8]{0} get-tuple-element(%w), index=1
+  %ag = f32[32]{0} all-gather(%v), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %i = s32[] get-tuple-element(%w), index=0
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %v)
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch_once_per_run():
+  """5 ticks, each running a forward branch (1 all-reduce) or a backward one (2): `summarize`
+  counts both branches every tick (15 all-reduces), the costliest-branch count the backward's 2
+  (10); the all-gather after the loop runs once either way."""
+  all_reduce, gather = 2 * 3 / 4 * 32, 3 / 4 * 128  # ring wire bytes of f32[8] and f32[32]
+  summary = hlo.summarize(hlo.collectives(_TICKS))
+  assert summary["all-reduce"]["executions"] == 15
+  assert hlo.costliest_branch_wire_bytes(_TICKS) == pytest.approx(
+      {"all-reduce": 10 * all_reduce, "all-gather": gather})
+
+
 # ---------------------------------------------------------------- programs compiled on 8 CPUs
 
 

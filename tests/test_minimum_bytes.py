@@ -16,7 +16,8 @@ from sharding.plan.minimum import AXES, minimum_bytes, minimum_total
 MODEL = ModelSpec(vocab_size=100, embed_dim=8, num_layers=2, num_heads=2, num_kv_heads=2,
                   head_dim=4, mlp_dim=16)
 SHARDABLE, NORMS = 1_280 + 1_600, 40
-# bf16 parameters and activations, float32 gradients (the fields the minimum reads).
+# bf16 parameters and activations, float32 gradients (the fields the minimum reads); FSDP
+# reduce-scatters the gradients as the bf16 matmuls give them (2 bytes).
 PRECISION = Precision("test", param_bytes=2, master_bytes=0, grad_bytes=4, grad_accum_bytes=0,
                       opt_bytes=0, act_bytes=2)
 SEQ = 16
@@ -51,9 +52,19 @@ def test_zero1_reduce_scatters_the_gradients_and_gathers_the_parameters():
 
 
 def test_fsdp_gathers_each_weight_twice_and_reduce_scatters_it_once_per_microbatch():
-  # 4 shards, 2 microbatches: 2 x 3/4 x 2,880 x (2 + 2 + 4); the norms are not sharded, their
+  # 4 shards, 2 microbatches: 2 x 3/4 x 2,880 x (2 + 2 + 2); the norms are not sharded, their
   # gradients all-reduced over no replica (fsdp is not one).
-  only(bytes_of(fsdp=4, microbatches=2), fsdp=2 * 0.75 * SHARDABLE * (2 * 2 + 4))
+  only(bytes_of(fsdp=4, microbatches=2), fsdp=2 * 0.75 * SHARDABLE * (2 * 2 + 2))
+
+
+def test_fsdp_moves_float32_weights_and_gradients_in_the_bf16_compute_dtype():
+  # float32 parameters and gradients, bf16 compute: the gathers move 2 bytes an element (the
+  # cast runs before the gather), the reduce-scatters too (the bf16 matmul's gradients); with
+  # float32 compute, 4 each.
+  mixed = dataclasses.replace(PRECISION, param_bytes=4, grad_bytes=4, act_bytes=2)
+  only(minimum_bytes(MODEL, Layout(fsdp=4), SEQ, mixed), fsdp=0.75 * SHARDABLE * (2 * 2 + 2))
+  full = dataclasses.replace(mixed, act_bytes=4)
+  only(minimum_bytes(MODEL, Layout(fsdp=4), SEQ, full), fsdp=0.75 * SHARDABLE * (2 * 4 + 4))
 
 
 def test_zero3_is_fsdp_over_data_too():
@@ -63,7 +74,7 @@ def test_zero3_is_fsdp_over_data_too():
 def test_fsdp_with_the_vocab_split_leaves_the_tables_ungathered():
   # Tiny fsdp groups (vocab_over_fsdp "on"): the 1,600 table elements are not gathered.
   split = bytes_of(fsdp=4, vocab_over_fsdp="on")["fsdp"]
-  assert split == pytest.approx(0.75 * 1_280 * (2 * 2 + 4))
+  assert split == pytest.approx(0.75 * 1_280 * (2 * 2 + 2))
   assert split < bytes_of(fsdp=4, vocab_over_fsdp="off")["fsdp"]
 
 
@@ -71,7 +82,7 @@ def test_hsdp_reduces_the_fsdp_shard_over_data():
   # fsdp 2: each device reduces its half of the shardable gradients (1,440) and the norms (40)
   # over the 2 data replicas: 2 x 1/2 x 1,480 x 4; fsdp as above over a group of 2.
   got = bytes_of(data=2, fsdp=2)
-  only(got, fsdp=0.5 * SHARDABLE * 8, data=2 * 0.5 * (SHARDABLE / 2 + NORMS) * 4)
+  only(got, fsdp=0.5 * SHARDABLE * 6, data=2 * 0.5 * (SHARDABLE / 2 + NORMS) * 4)
 
 
 def test_tensor_parallelism_all_reduces_four_activations_a_layer():
@@ -128,7 +139,7 @@ def test_a_composed_layout_adds_its_axes():
   """fsdp 2 x tensor 2 x pipeline 2, 2 microbatches: each axis as on its own, over its share."""
   got = bytes_of(fsdp=2, tensor=2, pipeline=2, microbatches=2)
   # A stage: 1 layer of 640 / 2 (tensor) = 320, one table 100 x 8 / 2 = 400: 720 shardable.
-  assert got["fsdp"] == pytest.approx(2 * 0.5 * 720 * (2 * 2 + 4))
+  assert got["fsdp"] == pytest.approx(2 * 0.5 * 720 * (2 * 2 + 2))
   # Tokens a device: 16 (tensor does not split them): 256 bytes; (4 x 1 layer + 2) all-reduces.
   assert got["tensor"] == pytest.approx(2 * 6 * 2 * 0.5 * 256)
   assert got["pipeline"] == 2 * 2 * 256

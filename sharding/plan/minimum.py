@@ -10,9 +10,13 @@ one (a middle pipeline stage, the stage holding the most layers). Per axis:
 
   fsdp      FSDP / ZeRO-3 over `fsdp` (and `data` at ZeRO-3): per microbatch, each sharded weight
             gathered for its forward and again for its backward (reshard after forward, which
-            keeps one layer's weights in memory) in the parameter dtype, and its gradient
-            reduce-scattered in the gradient dtype. The vocabulary tables are not gathered when
-            the layout splits them over fsdp (their hidden states move instead: not counted).
+            keeps one layer's weights in memory), and its gradient reduce-scattered, each in the
+            narrower of its own dtype and the compute dtype (a float32 weight cast to bf16
+            before its gather, its gradient reduced as the bf16 matmul gives it, as XLA does;
+            FSDP2's param_dtype and reduce_dtype the same). A program that keeps a gathered
+            weight from the forward for the backward trades memory to move less. The vocabulary
+            tables are not gathered when the layout splits them over fsdp (their hidden states
+            move instead: not counted).
   data      the gradient reduction over the replicas: `data` (below ZeRO-3), `context` (each
             holds part of every sequence) and `expert` (each holds other tokens; not for the
             experts' own weights, which it splits), once per step, in the gradient dtype (the
@@ -66,7 +70,9 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
   gathered = counts.shardable
   if lay.splits_vocab(m.vocab_size, seq_len):
     gathered -= counts.tables
-  out["fsdp"] = ga * _ring(fsdp_group) * gathered * (2 * pr.param_bytes + pr.grad_bytes)
+  gather_bytes = min(pr.param_bytes, pr.act_bytes)
+  reduce_bytes = min(pr.grad_bytes, pr.act_bytes)
+  out["fsdp"] = ga * _ring(fsdp_group) * gathered * (2 * gather_bytes + reduce_bytes)
 
   # The gradient shard each device reduces over the replicas: FSDP has split the shardable part.
   shard = counts.shardable / fsdp_group + counts.replicated

@@ -1,0 +1,165 @@
+"""The published H100 training runs meshtron is held against (issue [26]): each anchor's recipe as
+its source gives it (model, GPUs, layout, global batch, microbatches, sequence, precision,
+recomputation, release), and the meshtron config that compiles it for the anchor's own cluster.
+
+Megatron-Bridge rows are read from NVIDIA-NeMo/Megatron-Bridge `docs/performance-summary-archive.md`
+(no H100 rows are in the current `docs/performance-summary.md`, release 26.08) and its
+`src/megatron/bridge/perf_recipes/*/h100/` recipes (recomputation); where several releases list
+the same model, GPU count and precision, the newest is taken and named. Its MoE rows run
+dropless with the token distribution force-balanced across experts (the archive's footnote);
+meshtron's routing is its real router, and its dropless buffers are sized for the worst case, so
+the compiled program is the same under any routing. "Before" rows are the programs of commit
+76117c7 (before issue [26]'s program changes), measured with this tree's benchmarks/ and
+sharding/xla/ on a worktree of that commit, and kept so the changes show against them.
+"""
+
+import dataclasses
+
+from configs import llama, moe
+from models.fp8.config import Fp8Config
+from sharding.mesh import MeshConfig
+
+MEGATRON_BRIDGE = "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100"
+FP8_CS = "fp8 current scaling (meshtron: tensorwise)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+  name: str
+  source: str  # where the published figure is
+  release: str  # the publisher's release or date of that figure
+  published: float  # tokens/s/GPU
+  precision: str  # as the anchor ran it: "bf16" or an fp8 recipe
+  preset: str
+  gpus: int  # the anchor's cluster; meshtron compiles for h100x<gpus>
+  mesh: dict
+  batch_size: int  # global sequences per step
+  seq_len: int
+  microbatches: int  # meshtron's: gradient-accumulation steps of batch_size / microbatches
+  remat: str
+  differences: str  # what the published run does that meshtron's program does not, or ""
+  compute: tuple = ()  # compute config overrides, (field, value) pairs
+  routing: str = ""  # MoE rows: how tokens reach experts in the anchor's run and in ours
+  before: str = ""  # a "before" row: what it stands for
+
+  @property
+  def target(self) -> str:
+    return f"h100x{self.gpus}"
+
+
+def _fp8(recipe: str = "tensorwise") -> tuple:
+  return (("fp8", Fp8Config(enabled=True, recipe=recipe)),)
+
+
+_FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
+                   " meshtron: dropless, its real router (worst-case buffers: the same program)")
+
+ANCHORS = (
+    Anchor("MaxText Llama-2-70B, FSDP 64", "NVIDIA dgxc-benchmarking, maxtext/README_70b.md"
+           " (bf16, 64x H100, GBS 128, MBS 2): 74,909 tok/s", "as issue [18] cites it",
+           74_908.99 / 64, "bf16", "llama2_70b", 64, dict(fsdp=64), 128, 4096, 1, "full",
+           "MaxText's remat for this recipe is not in its README (its A3 scripts save the q/k/v"
+           " projections); ours recomputes the whole layer, up to 1/3 more matmul FLOPs; cuDNN"
+           " attention"),
+    Anchor("NeMo Llama-3.1-8B, TP1 CP2", "NeMo performance summary, DGX-H100 bf16, 8 GPUs,"
+           " TP1 PP1 CP2, seq 8192 (GBS 128 and MBS 1: Megatron-Bridge's recipe"
+           " llama3_8b_pretrain_8gpu_h100_bf16_config)", "as issue [18] cites it", 10_153,
+           "bf16", "llama3_8b", 8, dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
+           "NeMo keeps bf16 weights and gradients (fp32 master in the distributed optimizer);"
+           " ours float32 parameters and gradients; Transformer Engine + cuDNN attention"),
+    Anchor("NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses", "as the row above",
+           "as issue [18] cites it", 10_153, "bf16", "llama3_8b", 8,
+           dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
+           "as above, and meshtron splits the context by Ulysses all-to-alls around its flash"
+           " kernel where NeMo passes K/V around a ring", compute=(("context_impl", "ulysses"),)),
+    Anchor("torchtitan Llama-3.1-8B, FSDP 8", "torchtitan benchmarks/llama3_h100_202412_"
+           "torchtitan.md Table 1 (FSDP + torch.compile, local batch 2, seq 8192)", "2024-12",
+           6_667, "bf16", "llama3_8b", 8, dict(fsdp=8), 16, 8192, 1, "selective",
+           "torchtitan's H100s ran at 500 W with 96 GB HBM2e at 2.4 TB/s (below the SXM H100"
+           " profile); torch.compile; SDPA flash attention"),
+    Anchor("torchtitan Llama-3.1-8B, FSDP 8, Float8", "as the row above (FSDP + torch.compile"
+           " + Float8)", "2024-12", 8_532, "fp8 tensorwise (torchao Float8 linears)",
+           "llama3_8b", 8, dict(fsdp=8), 16, 8192, 1, "selective",
+           "as the row above; torchao's Float8 all-gathers the FSDP weights in fp8",
+           compute=_fp8()),
+    Anchor("Megatron-Bridge Llama-3-8B FP8, FSDP 8", f"{MEGATRON_BRIDGE}: 8 GPUs, FP8-CS, GBS"
+           " 128, MBS 1, seq 8192, FSDP 8, GA 16; recipe llama3_8b_pretrain_8gpu_h100_fp8cs"
+           "_config (full recompute of 5 of 32 layers)", "25.11 (no newer H100 row)", 14_451,
+           FP8_CS, "llama3_8b", 8, dict(fsdp=8), 128, 8192, 16, "none",
+           "Megatron recomputes 5 of the 32 layers (meshtron: none, or every layer); bf16"
+           " weights with fp32 master copies (ours float32 parameters); Transformer Engine",
+           compute=_fp8()),
+    Anchor("Megatron-Bridge Llama-3-70B FP8, TP4 PP8 VP5", f"{MEGATRON_BRIDGE}: 64 GPUs,"
+           " FP8-CS, GBS 256, MBS 1, seq 8192, TP4 PP8 VP5 (DP 2), no recompute; recipe"
+           " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"
+           " 1,621)", 1_664, FP8_CS, "llama3_70b", 64,
+           dict(data=2, tensor=4, pipeline=8, virtual_stages=5,
+                pipeline_schedule="interleaved_1f1b", sequence_parallel=True), 256,
+           8192, 128, "none",
+           "Megatron's layout puts the embedding and head on stages of their own layers"
+           " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
+           " bf16 weights with fp32 master copies; cuDNN attention (meshtron's pipeline stages"
+           " run the XLA reference)", compute=_fp8()),
+    Anchor("Megatron-Bridge Llama-3.1-405B FP8, TP8 PP8 CP2 VP8", f"{MEGATRON_BRIDGE}: 1,024"
+           " GPUs, FP8-CS, GBS 1536, MBS 1, seq 8192, TP8 PP8 CP2 VP8 (DP 8); recipe"
+           " llama31_405b_pretrain_1024gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
+           " 311)", 326, FP8_CS, "llama3_405b", 1024,
+           dict(data=8, tensor=8, pipeline=8, context=2, virtual_stages=8,
+                pipeline_schedule="interleaved_1f1b", sequence_parallel=True), 1536, 8192, 192,
+           "none",
+           "bf16 weights with fp32 master copies; TP overlap by userbuffers; cuDNN attention",
+           compute=_fp8()),
+    Anchor("Llama-3.1-405B, PP16 TP8 (before)", "issue [26]'s 'before' program: the 405B on"
+           " 16 stages x tensor 8, the layout meshtron accepted nearest the Megatron-Bridge"
+           " recipe (which needs pipeline x context)", "26.06 (the figure of the row above)",
+           326, "bf16", "llama3_405b", 128,
+           dict(tensor=8, pipeline=16, sequence_parallel=True), 16, 4096, 16, "full",
+           "not the anchor's layout: 16 stages, no context parallelism, seq 4096, 16 sequences"
+           " a step, bf16, full recomputation",
+           before="XLA gathered each sequence-parallel activation once per dot reading it"),
+    Anchor("Llama-3.1-405B, PP16 TP8, gathers once", "the row above's program after issue"
+           " [26]'s first change: each sequence-parallel activation gathered once",
+           "26.06 (the figure of the row"
+           " above)", 326, "bf16", "llama3_405b", 128,
+           dict(tensor=8, pipeline=16, sequence_parallel=True), 16, 4096, 16, "full",
+           "as the row above"),
+    Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16", f"{MEGATRON_BRIDGE}: 16 GPUs, FP8, GBS"
+           " 1024, MBS 1, seq 4096, EP16 (DP 16), no recompute; recipe"
+           " qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
+           " 5,113 at PP2 VP12 EP8; 25.09: 10,494 with token dropping)", 8_826, FP8_CS,
+           "qwen3_30b_a3b", 16, dict(expert=16), 1024, 4096, 64, "none",
+           "force-balanced routing; Transformer Engine grouped GEMMs and cuDNN attention",
+           compute=_fp8(), routing=_FORCE_BALANCED),
+    Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
+           " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
+           " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
+           " MLPs)", "25.09 (no newer H100 row)", 1_297, FP8_CS, "deepseek_v3", 1024,
+           dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="interleaved_1f1b",
+                expert=64, sequence_parallel=True),
+           8192, 4096, 128, "selective",
+           "force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
+           " (meshtron: selective, every layer); bf16 weights with fp32 master copies",
+           compute=_fp8(), routing=_FORCE_BALANCED),
+    Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
+           " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"
+           " above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
+           512, 4096, 8, "none",
+           "not the anchor's layout or model: GQA attention, no TP, 512 GPUs, 512 sequences a"
+           " step, bf16", routing="meshtron: dropless, its real router",
+           before="failed to compile: a Pallas expert kernel's region in a pipeline stage"),
+    Anchor("DeepSeek-V3-like, PP8 EP64, compiles", "the row above's program once it compiles"
+           " (the expert region checks its varying axes in a pipeline stage on GPUs)",
+           "25.09 (the figure of"
+           " the row above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
+           512, 4096, 8, "none", "as the row above", routing="meshtron: dropless, its real router"),
+)
+
+
+def config(a: Anchor):
+  """The TrainConfig that compiles `a` (attention "auto": the Pallas flash kernel on GPUs, the
+  XLA reference inside a pipeline stage)."""
+  cfg = (moe.large if a.preset in moe.MODELS else llama.large)(a.preset)
+  cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
+  cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches
+  cfg.compute = dataclasses.replace(cfg.compute, remat=a.remat, **dict(a.compute))
+  return cfg
