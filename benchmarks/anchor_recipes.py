@@ -98,8 +98,8 @@ ANCHORS = (
            8192, 128, "none",
            "Megatron's layout puts the embedding and head on stages of their own layers"
            " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
-           " bf16 weights with fp32 master copies; cuDNN attention (meshtron's pipeline stages"
-           " run the XLA reference)", compute=_fp8()),
+           " bf16 weights with fp32 master copies; cuDNN attention (meshtron: its Pallas flash"
+           " kernel)", compute=_fp8()),
     Anchor("Megatron-Bridge Llama-3.1-405B FP8, TP8 PP8 CP2 VP8", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8-CS, GBS 1536, MBS 1, seq 8192, TP8 PP8 CP2 VP8 (DP 8); recipe"
            " llama31_405b_pretrain_1024gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
@@ -117,8 +117,9 @@ ANCHORS = (
            "not the anchor's layout: 16 stages, no context parallelism, seq 4096, 16 sequences"
            " a step, bf16, full recomputation",
            before="XLA gathered each sequence-parallel activation once per dot reading it"),
-    Anchor("Llama-3.1-405B, PP16 TP8, gathers once", "the row above's program after issue"
-           " [26]'s first change: each sequence-parallel activation gathered once",
+    Anchor("Llama-3.1-405B, PP16 TP8, now", "the row above's program after issue [26]'s"
+           " changes so far: each sequence-parallel activation gathered once, the flash kernel"
+           " inside the stages",
            "26.06 (the figure of the row"
            " above)", 326, "bf16", "llama3_405b", 128,
            dict(tensor=8, pipeline=16, sequence_parallel=True), 16, 4096, 16, "full",
@@ -147,8 +148,9 @@ ANCHORS = (
            "not the anchor's layout or model: GQA attention, no TP, 512 GPUs, 512 sequences a"
            " step, bf16", routing="meshtron: dropless, its real router",
            before="failed to compile: a Pallas expert kernel's region in a pipeline stage"),
-    Anchor("DeepSeek-V3-like, PP8 EP64, compiles", "the row above's program once it compiles"
-           " (the expert region checks its varying axes in a pipeline stage on GPUs)",
+    Anchor("DeepSeek-V3-like, PP8 EP64, now", "the row above's program after issue [26]'s"
+           " changes so far: it compiles (the expert region checks its varying axes in a"
+           " pipeline stage on GPUs), the flash kernel inside the stages",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
            512, 4096, 8, "none", "as the row above", routing="meshtron: dropless, its real router"),
@@ -156,8 +158,7 @@ ANCHORS = (
 
 
 def config(a: Anchor):
-  """The TrainConfig that compiles `a` (attention "auto": the Pallas flash kernel on GPUs, the
-  XLA reference inside a pipeline stage)."""
+  """The TrainConfig that compiles `a` (attention "auto": the Pallas flash kernel on GPUs)."""
   cfg = (moe.large if a.preset in moe.MODELS else llama.large)(a.preset)
   cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
   cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.pallas_triton import out_type, triton_call
+from kernels.pallas_triton import out_type, triton_call, varying_like
 
 # Letters: B batch, L query length, S key length (= L here), H query heads, K kv heads,
 # G = H / K query heads per kv head, d head dim of q and k, dv of v (MLA: dv != d). Inside
@@ -297,7 +297,8 @@ def _flash_fwd(q, k, v, seg, st: _Static):
 def _flash_bwd(st: _Static, residuals, do):
   q, k, v, seg, out, lse = residuals
   dq, dk, dv, _ = _backward(q, k, v, seg, out, lse, do, st)
-  return dq, dk, dv, None  # integer segment ids have no cotangent
+  # integer segment ids have no cotangent
+  return varying_like(dq, q), varying_like(dk, k), varying_like(dv, v), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -17,6 +17,15 @@ def out_type(shape, dtype, *inputs):
                               manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
+def varying_like(x, primal):
+  """`x` cast to vary over every manual mesh axis `primal` varies over (no values change): a
+  kernel's cotangent where an unchecked shard_map (check_vma off: the CPU interpreter) lost the
+  varying axes its primal, from an enclosing shard_map, still carries."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+  extra = tuple(sorted(varying(primal) - varying(x)))
+  return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
 def triton_call(kernel, *, name: str, interpret: bool | None, num_warps: int, num_stages: int,
                 **call_kw):
   """pallas_call with the Triton CompilerParams (Mosaic GPU is the default lowering in this jax).

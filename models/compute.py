@@ -22,7 +22,7 @@ REMAT_POLICIES = dict(zip(REMATS, (None, "dots_with_no_batch_dims_saveable",
 class ComputeConfig:
   """How a run computes its model (TrainConfig.compute). Hashable: a built model keeps it."""
 
-  # "auto": a flash kernel on GPUs, the XLA reference on CPU and inside a pipeline stage
+  # "auto": a flash kernel on GPUs (pipeline stages included), the XLA reference on CPU
   # (sharding.layout.attention_kernel).
   attention_impl: str = "auto"
   # With the sequence split over `context`: "ring", "allgather", "ulysses" (head-split all-to-alls

@@ -11,6 +11,7 @@ from jax.custom_batching import custom_vmap
 
 from sharding.mesh import LayoutError, mesh_sizes
 from sharding.scope import spec
+from sharding.shard_map import stage_shard_map
 
 Names = tuple[str | None, ...]
 TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
@@ -104,44 +105,11 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
     # stage's arguments vary over `pipeline` while the region's results do not, and the
     # backward's pullback refuses the mix. The CPU interpreter still needs it off.
     check_vma = check_vma or layout.platform != "cpu"
-    return _recomputed_in_backward(body, layout.stage_mesh(), in_specs, token_spec, check_vma)(
+    return stage_shard_map(body, layout.stage_mesh(), in_specs, token_spec, check_vma)(
         x_BLD, ids_BLk, weights_BLk, *params)
   mapped = jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=token_spec,
                          check_vma=check_vma)
   return mapped(x_BLD, ids_BLk, weights_BLk, *params)
-
-
-def _recomputed_in_backward(body: Callable, mesh, in_specs, out_spec, check_vma: bool) -> Callable:
-  """`body` under a shard_map nested in a pipeline stage's (which is manual over the pipeline
-  axis), differentiated by a second shard_map that recomputes it: JAX's own differentiation of
-  a nested shard_map names the residuals it keeps with the outer manual axis too, which Shardy
-  rejects ("manual axes come before free axes"). The arguments are the only residuals here.
-  `mesh`: the stage's abstract mesh (sharding.Layout.stage_mesh)."""
-  forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                          check_vma=check_vma)
-
-  def per_device_vjp(g, x, ids, weights, *params):
-    _, pullback = jax.vjp(lambda x, weights, *params: body(x, ids, weights, *params),
-                          x, weights, *params)
-    return pullback(g)
-
-  specs = (in_specs[0], in_specs[2], *in_specs[3:])
-  backward = jax.shard_map(per_device_vjp, mesh=mesh, in_specs=(out_spec, *in_specs),
-                           out_specs=specs, check_vma=check_vma)
-
-  @jax.custom_vjp
-  def run(x, ids, weights, *params):
-    return forward(x, ids, weights, *params)
-
-  def run_forward(*args):
-    return forward(*args), args
-
-  def run_backward(args, g):
-    d_x, d_weights, *d_params = backward(g, *args)
-    return (d_x, None, d_weights, *d_params)
-
-  run.defvjp(run_forward, run_backward)
-  return run
 
 
 @jax.custom_vjp

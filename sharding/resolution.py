@@ -56,14 +56,11 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
     raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
                       " but pipeline=1: set pipeline > 1 or stage_layers=''")
   if stages > 1:
-    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the ring
-    # attention and flash kernel wrappers do not yet do ("auto" attention runs the reference).
+    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the
+    # context-parallel attention wrappers do not yet do.
     if layout.context > 1:
       raise LayoutError("pipeline parallelism does not yet support context parallelism; use"
                         " context=1 or pipeline=1")
-    if compute.attention_impl == "pallas_flash":
-      raise LayoutError("compute.attention_impl=pallas_flash does not yet run inside a pipeline"
-                        " stage; use attention_impl=auto (the reference there) or pipeline=1")
     layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
@@ -112,6 +109,11 @@ def resolve(mesh: MeshConfig, devices, model, compute=None, *, batch_size: int, 
   layout = layout_of(mesh, len(devices), model, compute, batch_size=batch_size,
                      seq_len=seq_len, microbatches=microbatches)
   split = layout.stage_split(model.num_layers)
+  if layout.pipeline > 1 and devices[0].platform == "cpu" and \
+      _settings(compute).attention_impl == "pallas_flash":
+    raise LayoutError("compute.attention_impl=pallas_flash runs inside a pipeline stage only"
+                      " where it compiles (GPUs), not in the CPU interpreter; use"
+                      " attention_impl=auto (the reference on CPU) or pipeline=1")
   return _kernels(dataclasses.replace(
       layout, mesh=make_mesh(mesh, devices),
       rules=layout.rules_for(model.vocab_size, seq_len, rule_overrides),
@@ -137,10 +139,9 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
   return dataclasses.replace(
       layout, platform=platform,
       attention=resolve_attention(settings.attention_impl, platform),
-      # "auto" runs the reference inside a stage: the flash kernel's shard_map cannot nest in
-      # the pipeline's yet (pallas_flash there is refused by layout_of).
-      stage_attention=("xla" if settings.attention_impl == "auto"
-                       else settings.attention_impl),
+      # The same inside a pipeline stage: the flash kernel's shard_map nests in the stage's
+      # (sharding/shard_map.py stage_shard_map).
+      stage_attention=resolve_attention(settings.attention_impl, platform),
       context_impl=settings.context_impl, ulysses_degree=settings.ulysses_degree,
       load_balanced=load_balanced(getattr(model, "sliding_window", 0), settings.context_impl),
       grouped_matmul=(grouped if grouped != "auto" else

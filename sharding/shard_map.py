@@ -4,7 +4,9 @@ names."""
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
+from kernels.pallas_triton import varying_like
 from sharding.mesh import LayoutError, mesh_sizes
 from sharding.scope import spec
 
@@ -68,8 +70,55 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
         full[i] = a
       return fn(*full)
 
-    mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=in_specs, out_specs=out_spec,
-                           check_vma=check_vma_on_cpu or layout.platform != "cpu")
+    check_vma = check_vma_on_cpu or layout.platform != "cpu"
+    if layout.in_pipeline_stage:
+      mapped = stage_shard_map(per_device, layout.stage_mesh(), in_specs, out_spec, check_vma)
+    else:
+      mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=in_specs,
+                             out_specs=out_spec, check_vma=check_vma)
     return mapped(*(args[i] for i in present))
 
   return wrapped
+
+
+def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool) -> Callable:
+  """`fn` under a shard_map nested in a pipeline stage's (manual over the pipeline axis and the
+  replicas'), differentiated by a second shard_map that recomputes it: JAX's own
+  differentiation of a nested shard_map names the residuals it keeps with the outer manual axes
+  too, which Shardy rejects ("manual axes come before free axes"). The arguments are the only
+  residuals; the floating-point ones get gradients. `mesh`: the stage's abstract mesh
+  (sharding.Layout.stage_mesh)."""
+  forward = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                          check_vma=check_vma)
+
+  def differentiable(args) -> list[int]:
+    return [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+  @jax.custom_vjp
+  def run(*args):
+    return forward(*args)
+
+  def run_forward(*args):
+    return forward(*args), args
+
+  def run_backward(args, g):
+    wrt = differentiable(args)
+
+    def per_device_vjp(g, *args):
+      def of(*values):
+        full = list(args)
+        for i, value in zip(wrt, values):
+          full[i] = value
+        return fn(*full)
+      return jax.vjp(of, *(args[i] for i in wrt))[1](g)
+
+    backward = jax.shard_map(per_device_vjp, mesh=mesh, in_specs=(out_spec, *in_specs),
+                             out_specs=tuple(in_specs[i] for i in wrt), check_vma=check_vma)
+    # Typed as the primals: unchecked (check_vma off), the region's results do not vary over
+    # the stage's manual axes, though the arguments do (a cast, not a transpose: values as is).
+    grads = {i: varying_like(d, args[i]) for i, d in zip(wrt, backward(g, *args))}
+    return tuple(grads.get(i) for i in range(len(args)))
+
+  run.defvjp(run_forward, run_backward)
+  return run
+

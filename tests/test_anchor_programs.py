@@ -77,3 +77,22 @@ def test_a_pallas_expert_region_compiles_in_a_pipeline_stage_for_gpus(tmp_path):
   text = open(path).read()
   assert "ragged-all-to-all" in text and "__triton" in text  # the GPU exchange and kernels
   assert rep.memory["peak"] > 0
+
+
+@pytest.mark.parametrize("attention,flash", [("xla", False), ("auto", True)])
+def test_pipeline_stages_attend_with_the_flash_kernel_on_gpus(tmp_path, attention, flash):
+  """Inside pipeline stages "auto" attention is the Pallas flash kernel on GPUs (its shard_map
+  nests in the stage's, sharding/shard_map.py stage_shard_map): no [heads, L, L] score blocks,
+  which the reference ("xla") stores for every layer and microbatch."""
+  cfg = llama.large("llama3_8b")
+  cfg.model = dataclasses.replace(cfg.model, num_layers=4, embed_dim=1024, mlp_dim=2048,
+                                  num_heads=8, num_kv_heads=8, vocab_size=8192)
+  cfg.seq_len, cfg.batch_size, cfg.microbatches = 1024, 8, 8
+  cfg.mesh = MeshConfig(data=1, fsdp=1, pipeline=2, tensor=2)
+  cfg.compute = dataclasses.replace(cfg.compute, attention_impl=attention)
+  path = str(tmp_path / "step.hlo")
+  compile_for_gpus(cfg, compiled.parse_gpu_target("h100x4"), hlo_path=path)
+  text = open(path).read()
+  scores = re.findall(r"f32\[[\d,]*\b4,[\d,]*1024,1024\]", text)  # 8 heads / tensor 2
+  assert bool(scores) != flash
+  assert ("xla.gpu.triton" in text) == flash

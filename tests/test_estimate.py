@@ -279,5 +279,5 @@ def test_the_estimator_takes_auto_attention_as_flash():
   assert auto.flash_attention and not xla.flash_attention
   layout = Layout(fsdp=8, micro_batch=1)
   assert memory(xla, layout, 4096).activations > memory(auto, layout, 4096).activations
-  piped = Layout(pipeline=2, data=4, micro_batch=1, microbatches=8)  # stages run the reference
-  assert memory(auto, piped, 4096).activations == memory(xla, piped, 4096).activations
+  piped = Layout(pipeline=2, data=4, micro_batch=1, microbatches=8)  # stages run flash too
+  assert memory(xla, piped, 4096).activations > memory(auto, piped, 4096).activations

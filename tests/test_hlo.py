@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding.xla import hlo
+from sharding.xla import branches, hlo
 
 F32_128x64 = 128 * 64 * 4
 
@@ -239,7 +239,7 @@ def test_a_conditional_counts_its_costliest_branch_once_per_run():
   all_reduce, gather = 2 * 3 / 4 * 32, 3 / 4 * 128  # ring wire bytes of f32[8] and f32[32]
   summary = hlo.summarize(hlo.collectives(_TICKS))
   assert summary["all-reduce"]["executions"] == 15
-  assert hlo.costliest_branch_wire_bytes(_TICKS) == pytest.approx(
+  assert branches.costliest_branch_wire_bytes(_TICKS) == pytest.approx(
       {"all-reduce": 10 * all_reduce, "all-gather": gather})
 
 

@@ -65,7 +65,7 @@ class ModelSpec:
   full_attention_every: int = 0
   context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
   ulysses_degree: int = 0
-  attention_impl: str = "xla"  # the run's request: "auto" is flash but in pipeline stages
+  attention_impl: str = "xla"  # the run's request ("auto": flash on GPUs, pipeline stages too)
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -375,8 +375,6 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
   m, lay = model_spec(model), layout
-  if lay.pipeline > 1 and m.attention_impl == "auto":
-    m = dataclasses.replace(m, flash_attention=False)  # pipeline stages run the reference
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas

@@ -4,7 +4,7 @@ import dataclasses
 import os
 import re
 
-from sharding.xla import hlo, overlap, step_time
+from sharding.xla import branches, hlo, overlap, step_time
 
 GIB = 1024 ** 3
 _TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
@@ -83,8 +83,8 @@ class CompiledReport:
   # step_time.StepPrediction.summary of a GPU program: the predicted step, tokens/s/GPU, MFU and
   # the costliest ops; {} for CPU programs and reports made before it existed.
   step_time: dict = dataclasses.field(default_factory=dict)
-  # hlo.costliest_branch_wire_bytes: per kind, each conditional counted by its costliest branch
-  # (`summary` counts every branch as taken); {} in reports made before it existed.
+  # branches.costliest_branch_wire_bytes: per kind, each conditional counted by its costliest
+  # branch (`summary` counts every branch as taken); {} in reports made before it existed.
   costliest_branch: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -122,7 +122,7 @@ def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -
   return CompiledReport(target, len(devices), devices[0].platform, memory, flops, rows,
                         hlo.summarize(cols), scheduled, compile_seconds,
                         overlap=overlap.summarize(rows) if scheduled else {},
-                        costliest_branch=hlo.costliest_branch_wire_bytes(text, len(devices)))
+                        costliest_branch=branches.costliest_branch_wire_bytes(text, len(devices)))
 
 
 def from_json(data: dict) -> CompiledReport:
