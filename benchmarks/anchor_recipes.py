@@ -41,6 +41,9 @@ class Anchor:
   compute: tuple = ()  # compute config overrides, (field, value) pairs
   routing: str = ""  # MoE rows: how tokens reach experts in the anchor's run and in ours
   before: str = ""  # a "before" row: what it stands for
+  # bf16 parameters with float32 master copies in the optimizer (Megatron's distributed
+  # optimizer); else float32 parameters, gathered and computed in bf16 (FSDP2, MaxText).
+  master_weights: bool = False
 
   @property
   def target(self) -> str:
@@ -65,13 +68,13 @@ ANCHORS = (
            " TP1 PP1 CP2, seq 8192 (GBS 128 and MBS 1: Megatron-Bridge's recipe"
            " llama3_8b_pretrain_8gpu_h100_bf16_config)", "as issue [18] cites it", 10_153,
            "bf16", "llama3_8b", 8, dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
-           "NeMo keeps bf16 weights and gradients (fp32 master in the distributed optimizer);"
-           " ours float32 parameters and gradients; Transformer Engine + cuDNN attention"),
+           "Transformer Engine + cuDNN attention", master_weights=True),
     Anchor("NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses", "as the row above",
            "as issue [18] cites it", 10_153, "bf16", "llama3_8b", 8,
            dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
            "as above, and meshtron splits the context by Ulysses all-to-alls around its flash"
-           " kernel where NeMo passes K/V around a ring", compute=(("context_impl", "ulysses"),)),
+           " kernel where NeMo passes K/V around a ring", compute=(("context_impl", "ulysses"),),
+           master_weights=True),
     Anchor("torchtitan Llama-3.1-8B, FSDP 8", "torchtitan benchmarks/llama3_h100_202412_"
            "torchtitan.md Table 1 (FSDP + torch.compile, local batch 2, seq 8192)", "2024-12",
            6_667, "bf16", "llama3_8b", 8, dict(fsdp=8), 16, 8192, 1, "selective",
@@ -86,9 +89,8 @@ ANCHORS = (
            " 128, MBS 1, seq 8192, FSDP 8, GA 16; recipe llama3_8b_pretrain_8gpu_h100_fp8cs"
            "_config (full recompute of 5 of 32 layers)", "25.11 (no newer H100 row)", 14_451,
            FP8_CS, "llama3_8b", 8, dict(fsdp=8), 128, 8192, 16, "none",
-           "Megatron recomputes 5 of the 32 layers (meshtron: none, or every layer); bf16"
-           " weights with fp32 master copies (ours float32 parameters); Transformer Engine",
-           compute=_fp8()),
+           "Megatron recomputes 5 of the 32 layers (meshtron: none, or every layer);"
+           " Transformer Engine", compute=_fp8(), master_weights=True),
     Anchor("Megatron-Bridge Llama-3-70B FP8, TP4 PP8 VP5", f"{MEGATRON_BRIDGE}: 64 GPUs,"
            " FP8-CS, GBS 256, MBS 1, seq 8192, TP4 PP8 VP5 (DP 2), no recompute; recipe"
            " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"
@@ -98,8 +100,8 @@ ANCHORS = (
            8192, 128, "none",
            "Megatron's layout puts the embedding and head on stages of their own layers"
            " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
-           " bf16 weights with fp32 master copies; cuDNN attention (meshtron: its Pallas flash"
-           " kernel)", compute=_fp8()),
+           " cuDNN attention (meshtron: its Pallas flash kernel)", compute=_fp8(),
+           master_weights=True),
     Anchor("Megatron-Bridge Llama-3.1-405B FP8, TP8 PP8 CP2 VP8", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8-CS, GBS 1536, MBS 1, seq 8192, TP8 PP8 CP2 VP8 (DP 8); recipe"
            " llama31_405b_pretrain_1024gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
@@ -107,8 +109,7 @@ ANCHORS = (
            dict(data=8, tensor=8, pipeline=8, context=2, virtual_stages=8,
                 pipeline_schedule="interleaved_1f1b", sequence_parallel=True), 1536, 8192, 192,
            "none",
-           "bf16 weights with fp32 master copies; TP overlap by userbuffers; cuDNN attention",
-           compute=_fp8()),
+           "TP overlap by userbuffers; cuDNN attention", compute=_fp8(), master_weights=True),
     Anchor("Llama-3.1-405B, PP16 TP8 (before)", "issue [26]'s 'before' program: the 405B on"
            " 16 stages x tensor 8, the layout meshtron accepted nearest the Megatron-Bridge"
            " recipe (which needs pipeline x context)", "26.06 (the figure of the row above)",
@@ -130,7 +131,7 @@ ANCHORS = (
            " 5,113 at PP2 VP12 EP8; 25.09: 10,494 with token dropping)", 8_826, FP8_CS,
            "qwen3_30b_a3b", 16, dict(expert=16), 1024, 4096, 64, "none",
            "force-balanced routing; Transformer Engine grouped GEMMs and cuDNN attention",
-           compute=_fp8(), routing=_FORCE_BALANCED),
+           compute=_fp8(), routing=_FORCE_BALANCED, master_weights=True),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
@@ -139,8 +140,8 @@ ANCHORS = (
                 expert=64, sequence_parallel=True),
            8192, 4096, 128, "selective",
            "force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
-           " (meshtron: selective, every layer); bf16 weights with fp32 master copies",
-           compute=_fp8(), routing=_FORCE_BALANCED),
+           " (meshtron: selective, every layer)", compute=_fp8(), routing=_FORCE_BALANCED,
+           master_weights=True),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
            " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"
            " above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
@@ -150,7 +151,8 @@ ANCHORS = (
            before="failed to compile: a Pallas expert kernel's region in a pipeline stage"),
     Anchor("DeepSeek-V3-like, PP8 EP64, now", "the row above's program after issue [26]'s"
            " changes so far: it compiles (the expert region checks its varying axes in a"
-           " pipeline stage on GPUs), the flash kernel inside the stages",
+           " pipeline stage on GPUs), the flash kernel inside the stages, remat none keeping"
+           " only matmul, kernel and exchange outputs",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
            512, 4096, 8, "none", "as the row above", routing="meshtron: dropless, its real router"),
@@ -163,4 +165,7 @@ def config(a: Anchor):
   cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
   cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches
   cfg.compute = dataclasses.replace(cfg.compute, remat=a.remat, **dict(a.compute))
+  if a.master_weights:
+    cfg.model = dataclasses.replace(cfg.model, param_dtype="bfloat16")
+    cfg.optim = dataclasses.replace(cfg.optim, master_weights=True)
   return cfg

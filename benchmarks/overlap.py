@@ -30,7 +30,7 @@ BEFORE_AFTER = ("none", "overlap_v1")
 BUCKETS = BEFORE_AFTER + ("overlap_unbucketed_v1", "overlap_bucketed_v1")
 LAYOUTS = [  # (target, name, mesh, batch, remat, presets)
     ("h100x8", "fsdp=8", MeshConfig(data=1, fsdp=8), 8, "full", BUCKETS),
-    ("h100x8", "fsdp=8, no remat (211 GiB: does not fit)", MeshConfig(data=1, fsdp=8), 8, "none",
+    ("h100x8", "fsdp=8, no remat", MeshConfig(data=1, fsdp=8), 8, "none",
      BEFORE_AFTER),
     ("h100x8", "fsdp=4 x tensor=2, sp",
      MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True), 8, "full", BEFORE_AFTER),

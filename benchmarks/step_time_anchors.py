@@ -38,7 +38,8 @@ def _row(a: Anchor) -> dict:
           "model": a.preset, "target": a.target,
           "layout": ", ".join(f"{k}={v}" for k, v in a.mesh.items()),
           "batch": a.batch_size, "seq": a.seq_len, "microbatches": a.microbatches,
-          "remat": a.remat, "routing": a.routing, "before": a.before,
+          "remat": a.remat, "master_weights": a.master_weights, "routing": a.routing,
+          "before": a.before,
           "published_tokens_per_s_per_gpu": round(a.published, 1),
           "differences": a.differences}
 
@@ -81,7 +82,8 @@ def run(a: Anchor) -> dict:
 def minimum_fields(a: Anchor, layout, collective_bytes: float) -> dict:
   """The analytic minimum for the anchor's layout at its config's precision, and the ratio."""
   cfg = config(a)
-  precision = trainer_precision(cfg.model.dtype, cfg.model.param_dtype, cfg.grad_accum_dtype)
+  precision = trainer_precision(cfg.model.dtype, cfg.model.param_dtype, cfg.grad_accum_dtype,
+                                cfg.optim.master_weights)
   minimum = minimum_bytes(cfg.model, layout, a.seq_len, precision)
   total = sum(minimum.values())
   return {"minimum_bytes": minimum, "minimum_total_bytes": total,
@@ -119,7 +121,8 @@ def render(path: str) -> str:
   for r in rows:
     accumulation = f" ({r['microbatches']} microbatches)" if r["microbatches"] > 1 else ""
     setup = (f"{r['model']}, {r['target']}, {r['layout']}, {r['batch']} x {r['seq']}"
-             f"{accumulation}, {r['remat']}, {r['precision']}")
+             f"{accumulation}, {r['remat']}, {r['precision']}"
+             f"{', bf16 weights + fp32 master' if r.get('master_weights') else ''}")
     head = f"| {r['anchor']} ({r['release']}) | {setup} |"
     if r["status"] != "compiled":
       lines.append(f"{head} {r['status']}: {r['reason']} | | |"

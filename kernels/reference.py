@@ -3,6 +3,7 @@ output head's cross-entropy, residual add + RMSNorm."""
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 # Einsum letters: B batch, L query length, S key length, K kv heads, G query heads per kv head,
 # d head dim (Dh).
@@ -43,10 +44,12 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, window: int = 0
   scores = scores * (d ** -0.5)
   mask = attention_mask(length, segment_ids, causal, window)[:, :, None]  # [B, 1, 1, L, S]
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
+  # Named: remat="none" keeps them, as autodiff alone would (models/compute.py).
+  probs = checkpoint_name(jax.nn.softmax(scores, axis=-1), "attention_probs")
   out = jnp.einsum("BKGLS,BSKd->BLKGd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(b, length, h, v.shape[-1]).astype(q.dtype)  # MLA: v's head dim
+  out = out.reshape(b, length, h, v.shape[-1]).astype(q.dtype)  # MLA: v's head dim
+  return checkpoint_name(out, "attention_out")
 
 
 def cross_entropy(h_BLD, w_DV, targets_BL, mask_BL, z_loss: float = 0.0):

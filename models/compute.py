@@ -4,18 +4,46 @@ them. `sharding.resolve` turns the "auto" choices into the run's layout decision
 
 import dataclasses
 
+import jax
+
 from kernels.attention import IMPLS as ATTENTION_IMPLS
 from models.fp8.config import Fp8Config
 from sharding.context_parallel import CONTEXT_IMPLS, check_ulysses_degree
 from sharding.layout import REMATS
 
 LOSS_IMPLS = ("dense", "chunked")
-# Remat policies by name: the jax.checkpoint_policies member each applies to one layer's body
-# (models/transformer.py). "selective" keeps the projection matmul outputs (dots without batch
-# dims) and recomputes the rest, notably the attention scores and softmax, whose einsums carry
-# batch dims. The names are the layout's (sharding.layout.REMATS: the analytic model's too).
-REMAT_POLICIES = dict(zip(REMATS, (None, "dots_with_no_batch_dims_saveable",
-                                   "nothing_saveable")))
+# What a layer's backward may read without recomputing it under remat="none": the outputs of
+# the projections (matmuls without batch dims), of attention and expert kernels, of collectives,
+# loops and sorts, and named values (the XLA attention's probabilities and output, the dropping
+# MoE's exchanged tokens and expert FFN, the residuals kernels declare: kernels/residuals.py).
+# That is what a hand-written backward keeps (Megatron, Transformer Engine): norms, activations,
+# rope, casts and fp8 scaling run again inside the backward's fused kernels instead of being
+# stored, as autodiff would store every intermediate (the f32 norm statistics, SwiGLU's sigmoid
+# and products). Dots with batch dims are left to names: a ring-attention block's scores, which
+# its own jax.checkpoint recomputes, would otherwise be kept for every hop (an enclosing
+# checkpoint's policy decides for the nested one).
+_SAVED_PRIMITIVES = frozenset((
+    "ragged_dot_general", "scaled_matmul", "pallas_call", "triton_kernel_call",
+    "dot_product_attention_fwd", "dot_product_attention_fp8_fwd", "cudnn_fusion", "psum",
+    "psum_scatter", "reduce_scatter", "all_gather", "all_to_all", "ragged_all_to_all",
+    "ppermute", "scan", "while", "sort", "top_k"))
+
+
+def _no_recompute(prim, *args, **params) -> bool:
+  policies = jax.checkpoint_policies
+  return (prim.name in _SAVED_PRIMITIVES
+          or policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+          or policies.save_any_names_but_these()(prim, *args, **params))
+
+
+# Remat policies by name, each applied to one layer's body (models/transformer.py) and to each
+# multi-token prediction module. "selective" keeps the projection matmul outputs (dots without
+# batch dims) and recomputes the rest, notably attention (its scores' einsums carry batch dims;
+# a flash kernel runs its forward again). "full" keeps only the layer's input. The names are
+# the layout's (sharding.layout.REMATS: the analytic model's too).
+REMAT_POLICIES = dict(zip(REMATS, (_no_recompute,
+                                   jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                   jax.checkpoint_policies.nothing_saveable)))
 
 
 @dataclasses.dataclass(unsafe_hash=True)

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from models.config import ModelConfig
@@ -236,9 +237,13 @@ class MoE(nnx.Module):
     slots = capacity(x_BLD.shape[1], self.k, self.num_experts, self.capacity_factor)
     dispatch, combine, dropped = dispatch_masks(ids, weights, self.num_experts, slots)
     x = jnp.einsum("BLEC,BLD->EBCD", dispatch.astype(self.dtype), x_BLD.astype(self.dtype))
-    x = constrain(constrain(x, AT_TOKENS), AT_EXPERTS)  # all-to-all to the experts
-    hidden = jax.nn.silu(constrain(self.experts.gate("EBCD,EDF->EBCF", x), AT_EXPERTS_HIDDEN))
-    hidden = hidden * constrain(self.experts.up("EBCD,EDF->EBCF", x), AT_EXPERTS_HIDDEN)
+    # all-to-all to the experts. Named, so remat="none" keeps the exchanged values for the
+    # backward instead of exchanging again (models/compute.py: it keeps named values).
+    x = checkpoint_name(constrain(constrain(x, AT_TOKENS), AT_EXPERTS), "expert_inputs")
+    # The experts' einsums carry a batch dim (E): named, so remat="none" keeps them.
+    gate, up = (checkpoint_name(constrain(f("EBCD,EDF->EBCF", x), AT_EXPERTS_HIDDEN), name)
+                for f, name in ((self.experts.gate, "expert_gate"), (self.experts.up, "expert_up")))
+    hidden = jax.nn.silu(gate) * up
     out = constrain(self.experts.down("EBCF,EFD->EBCD", hidden), AT_EXPERTS)
-    out = constrain(out, AT_TOKENS)  # all-to-all back to the tokens
+    out = checkpoint_name(constrain(out, AT_TOKENS), "expert_outputs")  # all-to-all back
     return jnp.einsum("BLEC,EBCD->BLD", combine.astype(self.dtype), out), dropped

@@ -62,9 +62,7 @@ def run(modules, embeddings, h_BLD, positions_BL, segment_ids_BL, remat: str):
   def depth(h, e, state):
     return nnx.merge(graphdef, state)(h, e, positions_BL, segment_ids_BL)
 
-  policy = REMAT_POLICIES[remat]
-  if policy is not None:
-    depth = jax.checkpoint(depth, policy=getattr(jax.checkpoint_policies, policy))
+  depth = jax.checkpoint(depth, policy=REMAT_POLICIES[remat])
   heads, stats = [], []
   for k, e in enumerate(embeddings):  # D is small (DeepSeek-V3: 1): unrolled
     h_BLD, normed, s = depth(h_BLD, e, jax.tree.map(lambda a, k=k: a[k], stacked))

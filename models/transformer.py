@@ -251,10 +251,8 @@ class Transformer(nnx.Module):
     groups = jax.tree.leaves(stacked)[0].shape[0] // len(windows)
     stacked = jax.tree.map(lambda a: a.reshape(groups, len(windows), *a.shape[1:])
                            if period else a, stacked)
-    policy = REMAT_POLICIES[self.compute.remat]
-    if policy is not None:
-      body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy),
-                            prevent_cse=not self.compute.scan_layers)
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
+                          prevent_cse=not self.compute.scan_layers)
     if self.compute.scan_layers:
       x, ys = jax.lax.scan(body, x, stacked)
     else:  # unrolled: the same body and weights, for debugging

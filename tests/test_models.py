@@ -1,6 +1,10 @@
 """The Llama model: parameter counts, causality, packing, scan vs unrolled, remat, RoPE scaling."""
 
+import contextlib
+import io
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +14,7 @@ import kernels
 from configs import llama
 from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from models.builder import init_params
+from models.compute import REMAT_POLICIES
 from models.rope import inverse_frequencies
 
 TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -130,6 +135,41 @@ def test_remat_gives_same_loss_and_grads(tiny_params, policy):
   (loss_a, grads_a), (loss_b, grads_b) = plain(tiny_params), remat(tiny_params)
   np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _saved_residuals(fn, *args) -> list[str]:
+  """What the backward of `fn` reads, one "dtype[shape] output of <op>" line each."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  return [line.split(" from ")[0] for line in out.getvalue().splitlines()]
+
+
+def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_params,
+                                                                         monkeypatch):
+  """remat="none" recomputes no matmul, but the backward reads only matmul (and kernel) outputs:
+  SwiGLU's and softmax's intermediates and the norms' statistics inside the layers are
+  recomputed, as a hand-written backward would (models/compute.py). Same loss and gradients as
+  autodiff keeping every intermediate (everything_saveable: what remat="none" was)."""
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 16)), jnp.int32)
+  unrolled = ComputeConfig(scan_layers=False)  # each residual visible with the op making it
+
+  def loss(params):
+    return jnp.mean(_apply(TINY, params, tokens, compute=unrolled).astype(jnp.float32) ** 2)
+
+  kept = _saved_residuals(loss, tiny_params)
+  value, grads = jax.jit(jax.value_and_grad(loss))(tiny_params)
+  monkeypatch.setitem(REMAT_POLICIES, "none", jax.checkpoint_policies.everything_saveable)
+  everything = _saved_residuals(loss, tiny_params)
+  value_all, grads_all = jax.jit(jax.value_and_grad(loss))(tiny_params)
+
+  elementwise = ("'silu'", " exp", " div", "'_where'", " integer_pow")
+  assert any(op in line for line in everything for op in elementwise)  # the variants differ
+  assert not [line for line in kept if any(op in line for op in elementwise)]
+  assert len(kept) < len(everything)
+  np.testing.assert_allclose(value, value_all, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_all)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 

@@ -73,6 +73,10 @@ class OptimConfig:
   # Moonlight: the orthogonalized update times rms_scale x sqrt(max(fan_in, fan_out)) has AdamW's
   # update RMS (about 0.2), so Muon reuses AdamW's learning rate and weight decay.
   muon_rms_scale: float = 0.2
+  # With model.param_dtype=bfloat16: the optimizer keeps float32 master copies of the parameters
+  # (sharded like its moments, so ZeRO-1 and up split them over `data`) and updates those; the
+  # parameters are their bf16 rounding (trainer/optim.py with_master_weights).
+  master_weights: bool = False
 
   def validate(self) -> None:
     """Raises ValueError with a one-line message for a bad optimizer setting."""
@@ -175,6 +179,10 @@ class TrainConfig:
     self.model.validate()
     self.compute.validate(self.model)
     self.optim.validate()
+    if self.optim.master_weights and self.model.param_dtype == "float32":
+      raise ValueError("optim.master_weights keeps float32 copies of lower-precision parameters,"
+                       " but model.param_dtype is float32: set --config.model.param_dtype="
+                       "bfloat16, or drop optim.master_weights")
     config_checks.check_ranges(self)
     if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
       raise ValueError(f"grad_accum_dtype={self.grad_accum_dtype!r} is not one of"

@@ -1,7 +1,9 @@
 """The optax optimizer from OptimConfig: warmup + cosine, AdamW or Muon, clipping, weight-decay
-mask, and the parameters no optimizer moves (MoE routing biases, fp8 amax histories)."""
+mask, the parameters no optimizer moves (MoE routing biases, fp8 amax histories), and float32
+master weights for bf16 parameters."""
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +121,52 @@ def _muon(cfg: OptimConfig, names, lr, adamw) -> optax.GradientTransformation:
   return optax.partition({"muon": muon, "adamw": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
+class MasterWeightsState(NamedTuple):
+  master: Any  # float32 copies of the parameters (sharded like the moments: optax.tree_map_params)
+  inner: Any  # the wrapped optimizer's state, kept for the master copies
+
+
+def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`inner` trains float32 master copies of lower-precision (bf16) parameters, as Megatron's
+  distributed optimizer and the playbook's mixed precision keep them: the gradients are cast to
+  float32, `inner` updates the masters, and each parameter becomes its master rounded to the
+  parameter's dtype. Updates too small for bf16 add up in the master instead of being lost.
+
+  The returned update is master.astype(p.dtype) - p in float32, which optax.apply_updates adds
+  exactly (both are bf16 values). A parameter set outside the optimizer (MoE routing biases, fp8
+  amax histories: trainer/non_gradient.py) no longer rounds from its master: the master takes
+  its value first.
+  """
+  def init(params):
+    master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return MasterWeightsState(master, inner.init(master))
+
+  def update(grads, state, params):
+    master = jax.tree.map(lambda m, p: jnp.where(m.astype(p.dtype) == p, m, p.astype(m.dtype)),
+                          state.master, params)
+    updates, inner_state = inner.update(
+        jax.tree.map(lambda g: g.astype(jnp.float32), grads), state.inner, master)
+    master = optax.apply_updates(master, updates)
+    updates = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p, master, params)
+    return updates, MasterWeightsState(master, inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: OptimConfig, names, total_steps: int):
   """Returns (optax transformation, learning-rate schedule).
 
   Frozen parameters (see `frozen_mask`) get a zero update (and no weight decay: they are not
   matrices); without any, the transformation is exactly the plain one (same state tree). The
   zeroing is chained after AdamW rather than a multi_transform, whose MaskedNode-holding state
-  optax.tree_map_params (state shardings) cannot map.
+  optax.tree_map_params (state shardings) cannot map. With `cfg.master_weights` all of it trains
+  float32 master copies of the parameters (with_master_weights).
   """
+  tx, lr = _optimizer(cfg, names, total_steps)
+  return (with_master_weights(tx) if cfg.master_weights else tx), lr
+
+
+def _optimizer(cfg: OptimConfig, names, total_steps: int):
   lr = schedule(cfg, total_steps)
   adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=decay_mask(cfg, names))

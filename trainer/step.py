@@ -125,6 +125,11 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
   return grads_fn
 
 
+def _norm(tree) -> jax.Array:
+  """The global L2 norm, summed in float32 also for bf16 parameters and gradients."""
+  return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+
+
 def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedule,
                     layout: Layout, cfg: StepConfig = StepConfig()):
   """Returns train_step(state, batch) -> (state, metrics), pure, to be jitted once (the trainer
@@ -147,7 +152,7 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
     grads, fp8_values = extra.split(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = extra.apply(optax.apply_updates(state.params, updates), fp8_values, stats)
-    loss, grad_norm = stats["loss_sum"] / tokens, optax.tree.norm(grads)
+    loss, grad_norm = stats["loss_sum"] / tokens, _norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if cfg.spike_factor > 0:
       ok &= (state.loss_ema == 0) | (loss <= cfg.spike_factor * state.loss_ema)
@@ -160,7 +165,7 @@ def make_train_step(graphdef, names, tx: optax.GradientTransformation, lr_schedu
         "nll": stats["nll_sum"] / tokens,
         "z_loss": stats["z_loss_sum"] / tokens,
         "grad_norm": grad_norm,
-        "param_norm": optax.tree.norm(params),
+        "param_norm": _norm(params),
         "learning_rate": lr_schedule(state.step),
         "tokens": stats["tokens"],
         "skipped": 1.0 - ok.astype(jnp.float32),

@@ -118,7 +118,7 @@ class Trainer:
       return
     cfg = self.cfg
     precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype,
-                                           cfg.grad_accum_dtype)
+                                           cfg.grad_accum_dtype, cfg.optim.master_weights)
     # The attention this platform runs ("auto" is the XLA reference here, with its [s, s] scores).
     model = estimate.model_spec(cfg.model, dataclasses.replace(
         cfg.compute, attention_impl=self.layout.attention))

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels.residuals import keep
 from models.fp8.delayed import E4M3, E5M2, quantize, scale_from_amax, scaled_dot, transposed
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -176,7 +177,8 @@ def _forward(recipe, eqn, x, w, weight=None):
   # or keeps gathered), because the backward GEMMs need other scales (rowwise: dw's per column
   # of x; blockwise: dw's tiles along the tokens) and requantizing an fp8 value would round twice.
   saved = (qx.q, qx.scale, qw.q, qw.scale) if recipe == "tensorwise" else (x, w)
-  return scaled_matmul(gemm, qx, qw, x.dtype), (saved, jnp.zeros((), w.dtype))
+  # Kept under remat="none", with the (scaled) output (kernels/residuals.py).
+  return keep(scaled_matmul(gemm, qx, qw, x.dtype)), (keep(saved), jnp.zeros((), w.dtype))
 
 
 def _backward(recipe, eqn, residuals, g):

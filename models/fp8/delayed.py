@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.residuals import keep
+
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa (max 448)
 E5M2 = jnp.float8_e5m2  # gradients: more range (max 57344)
 FP8_HISTORY = "fp8_history"  # logical dim name of the amax histories (replicated: unknown name)
@@ -98,10 +100,12 @@ def _forward(eqn, margin, x, w, x_history, w_history, g_history, weight=None):
   qx = quantize(x, sx, E4M3)
   qw, sw, new_w_history = weight if weight is not None else quantize_weight(w, w_history, margin)
   y = scaled_dot(eqn, qx, qw, sx, sw, x.dtype)
-  # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4).
+  # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4). Kept,
+  # with the output (its scaled value: then XLA can fold the scales into the GEMM), under
+  # remat="none" (kernels/residuals.py).
   residuals = (qx, qw, sx, sw, roll_in(x_history, x), new_w_history, g_history,
                jnp.zeros((), w.dtype))
-  return y, residuals
+  return keep(y), keep(residuals)
 
 
 def _backward(eqn, margin, residuals, g):

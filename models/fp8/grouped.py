@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.grouped_matmul import grouped_matmul_fp8, grouped_weight_grad_fp8, summed_like
+from kernels.residuals import keep
 from models.fp8.delayed import E4M3, quantize, scale_from_amax
 from models.fp8.config import GROUPED_RECIPES
 
@@ -148,7 +149,8 @@ def _forward(recipe, impl, axes, x, w, group_sizes):
   # tensorwise: the fp8 operands (1 byte per element), whose one scale serves every GEMM;
   # rowwise: x and w as given, because dx and dW scale them along other dims (fp8_current.py).
   saved = (qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)
-  return y, (saved, group_sizes, jnp.zeros((), w.dtype))
+  # Kept under remat="none", with the (scaled) output (kernels/residuals.py).
+  return keep(y), (keep(saved), group_sizes, jnp.zeros((), w.dtype))
 
 
 def _backward(recipe, impl, axes, residuals, g):

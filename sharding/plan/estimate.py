@@ -213,13 +213,15 @@ FULL_FP32 = Precision("fp32", 4, 0, 4, 0, 4, 4)
 
 
 def trainer_precision(dtype: str = "float32", param_dtype: str = "float32",
-                      grad_accum_dtype: str = "") -> Precision:
-  """What trainer/ does today: params, grads and AdamW moments in `param_dtype`, no master copy;
+                      grad_accum_dtype: str = "", master_weights: bool = False) -> Precision:
+  """What trainer/ does: params and grads in `param_dtype`; AdamW moments in `param_dtype`, or
+  with `master_weights` (OptimConfig.master_weights) float32 moments and a float32 master copy;
   activations in the compute `dtype`; microbatches accumulate into a scan carry of
   `grad_accum_dtype` (TrainConfig.grad_accum_dtype; default: `param_dtype`)."""
   p, a = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_accum_dtype or param_dtype]
-  return Precision(f"trainer ({param_dtype} params, {dtype} compute)", p, 0, p, a, p,
-                   DTYPE_BYTES[dtype], accum_only_when_microbatching=True)
+  m, master = (4, " + fp32 master weights") if master_weights else (0, "")
+  return Precision(f"trainer ({param_dtype} params{master}, {dtype} compute)", p, m, p, a,
+                   m or p, DTYPE_BYTES[dtype], accum_only_when_microbatching=True)
 
 
 PRECISIONS = {"playbook": PLAYBOOK_MIXED, "playbook_fp32_accum": PLAYBOOK_MIXED_FP32_ACCUM,
