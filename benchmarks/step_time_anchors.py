@@ -23,7 +23,6 @@ import time
 
 from benchmarks.anchor_recipes import ANCHORS, Anchor, config
 from benchmarks.report import replace_section
-from sharding.plan.estimate import trainer_precision
 from sharding.plan.minimum import minimum_bytes
 from sharding.xla import compiled
 from trainer.aot import compile_for_gpus
@@ -82,8 +81,7 @@ def run(a: Anchor) -> dict:
 def minimum_fields(a: Anchor, layout, collective_bytes: float) -> dict:
   """The analytic minimum for the anchor's layout at its config's precision, and the ratio."""
   cfg = config(a)
-  precision = trainer_precision(cfg.model.dtype, cfg.model.param_dtype, cfg.grad_accum_dtype,
-                                cfg.optim.master_weights)
+  precision = cfg.precision()
   minimum = minimum_bytes(cfg.model, layout, a.seq_len, precision)
   total = sum(minimum.values())
   return {"minimum_bytes": minimum, "minimum_total_bytes": total,

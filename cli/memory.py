@@ -73,8 +73,7 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
       raise ValueError("memory needs --model=NAME --layout=... or --config=PRESET|file.py")
     spec = estimate.model_spec(config.model, config.compute)
     lay = config.layout(gpus or hw.gpus_per_node)
-    chosen = estimate.trainer_precision(config.model.dtype, config.model.param_dtype,
-                                        config.grad_accum_dtype, config.optim.master_weights)
+    chosen = config.precision()
     seq, title = config.seq_len, f"{config.model.num_params() / 1e9:.2f}B-parameter model"
   errors = planner.divisibility_errors(spec, lay, seq)
   if errors:

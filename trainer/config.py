@@ -10,6 +10,7 @@ from models.compute import ComputeConfig
 from models.config import ModelConfig
 from sharding import Layout, MeshConfig, layout_of
 from sharding.pipeline import schedules
+from sharding.plan.estimate import Precision, trainer_precision
 from sharding.xla import presets
 from trainer import config_checks
 
@@ -211,6 +212,11 @@ class TrainConfig:
     """The train step's own settings."""
     return StepConfig(z_loss=self.z_loss, spike_factor=self.loss_spike_factor,
                       grad_accum_dtype=self.grad_accum_dtype)
+
+  def precision(self) -> Precision:
+    """What this run stores per element, for the analytic memory model (sharding/plan)."""
+    return trainer_precision(self.model.dtype, self.model.param_dtype, self.grad_accum_dtype,
+                             self.optim.master_weights)
 
   def layout(self, num_devices: int) -> Layout:
     """This run's parallel layout on `num_devices` devices (sharding.layout_of): the checks that

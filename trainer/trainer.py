@@ -117,8 +117,7 @@ class Trainer:
     if not limit:
       return
     cfg = self.cfg
-    precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype,
-                                           cfg.grad_accum_dtype, cfg.optim.master_weights)
+    precision = cfg.precision()
     # The attention this platform runs ("auto" is the XLA reference here, with its [s, s] scores).
     model = estimate.model_spec(cfg.model, dataclasses.replace(
         cfg.compute, attention_impl=self.layout.attention))
