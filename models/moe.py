@@ -14,7 +14,8 @@ from models.fp8.grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_g
 from models.layers import Einsum, logical_param, projection_kw
 from models.mlp import MLP
 from kernels.grouped_matmul import grouped_matmul
-from sharding import constrain, dropless_experts
+from sharding import Layout, constrain, dropless_experts
+from sharding.context_parallel import whole_sequence_mean
 from sharding.expert import ExpertAxes
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
@@ -65,8 +66,10 @@ def limit_to_groups(select_BLE: jax.Array, groups: int, keep: int) -> jax.Array:
 class Router(nnx.Module):
   """Scores [B, L, E] in float32, top-k choices and their mixing weights, and the aux stats."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, layout: Layout | None = None, *, rngs: nnx.Rngs):
     m = cfg.moe
+    # Where the sequence-wise balance loss finds the whole sequence (default: one device's).
+    self.layout = Layout() if layout is None else layout
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
     self.w = logical_param(init(rngs.params(), (cfg.embed_dim, m.num_experts), cfg.param_dtype),
                            ("embed", None))
@@ -106,8 +109,8 @@ class Router(nnx.Module):
     # 1 when uniform. The fractions are counts (no gradient); the probabilities train. Per
     # sequence, the loss does not depend on how a layout splits the batch into microbatches
     # and replicas (a batch-wise one would).
-    fraction = jnp.sum(load_BE, axis=1) / (ids.shape[1] * self.k)
-    aux_B = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=1), axis=-1)
+    fraction = whole_sequence_mean(load_BE, self.layout) / self.k
+    aux_B = num_experts * jnp.sum(fraction * whole_sequence_mean(probs, self.layout), axis=-1)
     z_BL = jnp.square(jax.nn.logsumexp(logits, axis=-1))  # ST-MoE router z-loss per token
     stats = {"aux_loss": aux_B, "z_loss": z_BL, "load": jnp.sum(load_BE, axis=(0, 1))}
     return ids.astype(jnp.int32), weights, stats
@@ -193,7 +196,7 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, compute, layout, *, rngs: nnx.Rngs):
     m = cfg.moe
-    self.router = Router(cfg, rngs=rngs)
+    self.router = Router(cfg, layout, rngs=rngs)
     self.experts = Experts(cfg, compute, layout, rngs=rngs)
     shared_dim = m.num_shared_experts * m.mlp_dim(cfg.mlp_dim)
     self.shared = MLP(dataclasses.replace(cfg, mlp_dim=shared_dim, moe=None), compute, layout,

@@ -18,6 +18,9 @@ CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")
 # The hybrid's two factors of `context`: axes of a mesh view that exists only inside its shard_map
 # (`factored`); the run's mesh keeps its six axes.
 RING_AXIS, ULYSSES_AXIS = "context_ring", "context_ulysses"
+# The vmap axis over which each data-parallel replica's devices differentiate their own parts
+# of a sequence (trainer/step.py, `Layout.gradient_sequence_axes`).
+SEQUENCE_PARTS = "sequence_parts"
 
 
 def zigzag_permutation(length: int, parts: int) -> np.ndarray:
@@ -54,6 +57,23 @@ def zigzag(batch: dict, layout) -> dict:
     return batch
   order = zigzag_permutation(next(iter(batch.values())).shape[1], layout.sequence_parts)
   return {k: constrain(jnp.take(v, order, axis=1), ("batch", "seq")) for k, v in batch.items()}
+
+
+def whole_sequence_mean(x, layout, axis: int = 1):
+  """The mean over the sequence dim `axis` of a [B, L, ...] value, over the whole sequence also
+  where the train step differentiates each device's part of it apart (inside the replicas'
+  vmap with `layout.gradient_sequence_axes`, whose axis SEQUENCE_PARTS runs over R replicas x
+  C parts, replica-major): the sums of the C parts of this replica are added up. (A gather of
+  the [R·C, B, ...] sums: psum takes no groups under vmap.)"""
+  total, length = jnp.sum(x, axis=axis), x.shape[axis]
+  if layout.in_replica_vmap and layout.gradient_sequence_axes:
+    parts = layout.sequence_parts
+    every = jax.lax.all_gather(total, SEQUENCE_PARTS)
+    replica = jax.lax.axis_index(SEQUENCE_PARTS) // parts
+    mine = jax.lax.dynamic_index_in_dim(every.reshape(-1, parts, *total.shape), replica,
+                                        keepdims=False)
+    total, length = jnp.sum(mine, axis=0), length * parts
+  return total / length
 
 
 def check_ulysses_degree(impl: str, degree: int) -> None:

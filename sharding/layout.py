@@ -68,6 +68,10 @@ class Layout:
   load_balanced: bool = True  # a split sequence in the zigzag order (else contiguous)
   grouped_matmul: str = "ragged_dot"  # the dropless MoE's grouped matmul ("pallas" on GPUs)
   exchange: str = "padded"  # the dropless MoE's token exchange ("ragged" on GPUs)
+  # Whether the model's loss is a sum over parts of a sequence, so each device can differentiate
+  # its part apart (`gradient_sequence_axes`); not for the dropping MoE, whose capacity slots
+  # are handed out along each whole sequence.
+  sequence_parts_apart: bool = True
   # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
   # each stack stored padded to its largest position; () when every stack divides evenly.
   stacks: tuple = ()
@@ -171,6 +175,22 @@ class Layout:
       return (), 1
     return ("data",), self.data
 
+  @property
+  def gradient_sequence_axes(self) -> tuple[str, ...]:
+    """The sequence axes over which accumulated gradients stay per-device partial sums: under
+    context parallelism with microbatches, each device differentiates its own part of the
+    sequence inside the replicas' vmap (trainer/step.py), so the reduction over `context` runs
+    once per step with the replicas', not for every microbatch. () without microbatches, inside
+    pipeline stages, and for ulysses_ring, whose shard_map runs on a mesh view that has no
+    `context` axis for the vmap to split over (sharding.context_parallel.factored), and for
+    a model whose loss does not add up over parts of a sequence (`sequence_parts_apart`).
+    Sequence-wise sums inside (the MoE balance loss) add the parts up by
+    sharding.context_parallel.whole_sequence_mean."""
+    if (self.microbatches == 1 or self.pipeline > 1 or self.context_impl == "ulysses_ring"
+        or not self.sequence_parts_apart):
+      return ()
+    return self.sequence_axes
+
   def stage_mesh(self):
     """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis and
     the gradient replicas' axes, sharding/pipeline/executor.py): what a shard_map nested in a
@@ -186,8 +206,8 @@ class Layout:
     stages = self.pipeline > 1
     return dataclasses.replace(
         self, in_pipeline_stage=stages, attention=self.stage_attention if stages else
-        self.attention, in_replica_vmap=(not stages and self.microbatches > 1
-                                         and bool(self.gradient_replica_axes[0])))
+        self.attention, in_replica_vmap=(not stages and self.microbatches > 1 and bool(
+            self.gradient_replica_axes[0] or self.gradient_sequence_axes)))
 
   def unsharded(self) -> "Layout":
     """One device's layout with this one's platform and kernels (sampling: the parameters are

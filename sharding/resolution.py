@@ -144,6 +144,7 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
       stage_attention=resolve_attention(settings.attention_impl, platform),
       context_impl=settings.context_impl, ulysses_degree=settings.ulysses_degree,
       load_balanced=load_balanced(getattr(model, "sliding_window", 0), settings.context_impl),
+      sequence_parts_apart=getattr(moe, "dispatch", "dropless") != "dropping",
       grouped_matmul=(grouped if grouped != "auto" else
                       "pallas" if platform in GPU_PLATFORMS else "ragged_dot"),
       exchange=exchange if exchange != "auto" else "padded" if platform == "cpu" else "ragged")

@@ -17,8 +17,8 @@ from kernels import allgather_attention, ring_attention
 from kernels import reference as oracle
 from kernels.ring_attention import ring_hops
 from models import ModelConfig
-from models.config import MLAConfig
-from sharding import LayoutError, MeshConfig, layout_of
+from models.config import MLAConfig, MoEConfig
+from sharding import LayoutError, MeshConfig, layout_of, resolve
 from sharding.xla import hlo
 from sharding.context_parallel import zigzag_permutation
 from tests import parallel_harness as harness
@@ -35,10 +35,12 @@ ALLGATHER = dataclasses.replace(harness.COMPUTE, context_impl="allgather")
     (dict(context=2, fsdp=2, tensor=2), {}),
     (dict(context=2, fsdp=2, data=2), dict(microbatches=2, remat="full")),
     (dict(context=2, fsdp=2, data=2), dict(microbatches=4)),
+    (dict(context=2, data=4, zero_stage=1), dict(microbatches=2)),
     (dict(context=2, tensor=2, data=2, sequence_parallel=True), {}),
     (dict(context=8), dict(compute=ALLGATHER)),
 ], ids=["context=8", "context=4,data=2", "context=2,fsdp=2,tensor=2",
         "context=2,fsdp=2,data=2,ga=2,remat", "context=2,fsdp=2,data=2,ga=4",
+        "context=2,data=4,zero=1,ga=2",
         "context=2,tensor=2,sp,data=2",
         "context=8,allgather"])
 def test_context_parallel_equals_one_device(mesh, options, reference):  # noqa: F811
@@ -129,20 +131,39 @@ def test_a_sliding_window_needs_one_chunk_per_device():
     layout_of(MeshConfig(data=1, context=8), 8, windowed, batch_size=1, seq_len=20)
 
 
-def test_accumulation_with_the_sequence_split_reduces_over_data_once_per_step():
-  """context=2 x data=4, 4 microbatches: each data-parallel replica accumulates its own partial
-  gradients (the context attention runs inside the replicas' vmap), so the reductions over the
-  4 data replicas run once per step, outside the microbatch loop, and move what the program
-  without accumulation moves; only the reductions over context (group of 2) run per
-  microbatch."""
-  def data_reductions(microbatches):
+def test_accumulation_with_the_sequence_split_reduces_once_per_step():
+  """context=2 x data=4, 4 microbatches: each device accumulates the partial gradients of its own
+  rows and part of the sequence (the context attention runs inside the replicas' vmap), so the
+  gradients are reduced once per step, over data x context together, outside the microbatch
+  loop, with the payload one reduction of the program without accumulation carries. Before,
+  the reductions over context (group of 2) ran for every microbatch."""
+  def gradient_reductions(microbatches):
     compiled = harness.compile_step(MeshConfig(data=4, context=2), microbatches=microbatches)
     return [c for c in hlo.collectives(compiled.as_text())
-            if c.kind == "all-reduce" and c.group_size == 4]
-  once, accumulated = data_reductions(1), data_reductions(4)
-  assert accumulated and all(c.count == 1 for c in accumulated)
+            if c.kind == "all-reduce" and c.group_size > 1]
+  once, accumulated = gradient_reductions(1), gradient_reductions(4)
+  over_context = [c for c in once if c.group_size == 2]
+  assert over_context and [c.group_size for c in accumulated] == [8] * len(accumulated)
+  assert all(c.count == 1 for c in accumulated)
   assert sum(c.bytes for c in accumulated) == pytest.approx(
-      sum(c.bytes * c.count for c in once), rel=0.001)
+      sum(c.bytes * c.count for c in over_context), rel=0.001)
+
+
+def test_each_device_differentiates_its_part_of_the_sequence_where_the_loss_adds_up_over_parts():
+  """With microbatches, the sequence's parts are differentiated apart (gradients reduced once per
+  step) for dense and dropless-MoE models; not for the dropping MoE, whose capacity slots are
+  handed out along the whole sequence, nor for ulysses_ring (its mesh view has no `context`),
+  nor without microbatches (the reduction runs once anyway)."""
+  def axes(moe=None, microbatches=2, **compute):
+    model = dataclasses.replace(harness.MODEL, moe=moe)
+    compute = dataclasses.replace(harness.COMPUTE, **compute)
+    return resolve(MeshConfig(data=2, context=2), jax.devices()[:4], model, compute,
+                   batch_size=4, seq_len=32, microbatches=microbatches).gradient_sequence_axes
+  dropless = MoEConfig(num_experts=4, experts_per_token=2, dispatch="dropless")
+  assert axes() == axes(dropless) == ("context",)
+  assert axes(dataclasses.replace(dropless, dispatch="dropping")) == ()
+  assert axes(context_impl="ulysses_ring", ulysses_degree=2) == ()
+  assert axes(microbatches=1) == ()
 
 
 # The kernels alone, under a context=4 shard_map: rows of 32 tokens (8 per device), two packed

@@ -58,6 +58,9 @@ def test_mixed_precision_state_and_zero_stages_by_hand():
   assert state_bytes(7808, 80, Layout(data=4, zero_stage=3), PLAYBOOK_MIXED) == (4064, 4064, 24384)
   # fsdp=4 is ZeRO-3 on its own axis.
   assert state_bytes(7808, 80, Layout(fsdp=4), PLAYBOOK_MIXED) == (4064, 4064, 24384)
+  # Context parallelism's devices hold the same parameters: ZeRO splits over data x context.
+  assert state_bytes(7808, 80, Layout(data=2, context=2, zero_stage=1), PLAYBOOK_MIXED) == \
+      (15776, 15776, 24384)
   # fp32 gradient accumulation adds 4 bytes to the gradient term: 2 + 4 per parameter.
   assert state_bytes(7808, 80, Layout(), PLAYBOOK_MIXED_FP32_ACCUM)[1] == 6 * 7888
 
@@ -163,6 +166,13 @@ def test_communication_volumes_by_hand():
   # DP: one all-reduce, 2 (n-1)/n Psi. ZeRO-1: reduce-scatter + all-gather, the same 2 Psi.
   assert wire(Layout(data=4, microbatches=4)) == pytest.approx(2 * 3 / 4 * psi)
   assert wire(Layout(data=4, zero_stage=1)) == pytest.approx(2 * 3 / 4 * psi)
+  # ZeRO-1 over data=2 x context=2: the same reduce-scatter + all-gather over the 4 devices, in
+  # place of an all-reduce over context (sharding.rules.ZERO_AXES).
+  zero_cp = [c for c in hardware.collectives(SMALL, Layout(data=2, context=2, zero_stage=1), SEQ,
+                                               PLAYBOOK_MIXED) if c.phase != "context"]
+  assert {(c.kind, c.axes, c.group) for c in zero_cp} == {
+      ("reduce-scatter", ("data", "context"), 4), ("all-gather", ("data", "context"), 4)}
+  assert sum(c.wire_bytes for c in zero_cp) == pytest.approx(2 * 3 / 4 * psi)
   # ZeRO-2 with accumulation reduce-scatters every microbatch.
   assert wire(Layout(data=4, zero_stage=2, microbatches=4), "grad_sync") == pytest.approx(4 * 3 / 4 * psi)
   # ZeRO-3: layers gathered forward and backward, the head once (3200 B) and the norm scales

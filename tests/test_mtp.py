@@ -215,6 +215,18 @@ def test_a_moe_module_trains_like_one_device_under_pipeline_and_experts():
   assert not np.any(result.grads[bias])
 
 
+def test_moe_module_trains_like_one_device_with_the_sequence_split_over_microbatches():
+  """The MoE model with a depth-1 module on context=2 x expert=2 x data=2, 2 microbatches: each
+  device differentiates its own part of the sequence and the gradients are reduced once per
+  step (trainer/step.py); router losses, loads and the module's shifted targets are sums over
+  tokens, so the parts add up to one device's step."""
+  result = harness.run(MeshConfig(data=2, context=2, expert=2), model=with_mtp(),
+                       moe=HARNESS_MOE, microbatches=2)
+  ref = reference(moe=HARNESS_MOE)
+  assert_same_training(result, ref)
+  assert_same_mtp_metrics(result, ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_cfg,options", [
     # The shifted targets are made before the load-balanced reordering of the sequence.

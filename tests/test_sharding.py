@@ -139,6 +139,11 @@ def test_zero_stage_views(stage, sharded_roles):
     spec = logical_to_spec(("layers", "embed", "mlp"), (2, 32, 64), sizes,
                            role_rules(DEFAULT_RULES, role, stage))
     assert (spec == P(None, "data", None)) == (role in sharded_roles), (role, spec)
+    # Context parallelism's devices hold the same parameters: ZeRO shards over them too.
+    with_context = logical_to_spec(("layers", "embed", "mlp"), (2, 32, 64),
+                                   dict(sizes, data=2, context=4),
+                                   role_rules(DEFAULT_RULES, role, stage))
+    assert (with_context == P(None, ("data", "context"), None)) == (role in sharded_roles)
 
 
 def debug_config(**mesh):

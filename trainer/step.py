@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout, constrain, constrain_tree, excluding, zigzag
+from sharding.context_parallel import SEQUENCE_PARTS
 from sharding.pipeline import stage_split
 from trainer import loss
 from trainer.config import StepConfig
@@ -18,6 +19,12 @@ from trainer.pipeline_step import make_pipeline_grads_fn
 from trainer.state import TrainState
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+# The view reduced gradients take: the optimizer state's. Under ZeRO-1 each device then reduces
+# only the shard of the gradients its optimizer state updates (a reduce-scatter, where the
+# replicated "grads" view would all-reduce them whole), and the updated parameters are gathered.
+# Without ZeRO and from stage 2 on it is the "grads" view; inside the replicas' vmap too (the
+# vmap's axes are excluded).
+REDUCED = "opt_state"
 
 
 def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True):
@@ -64,8 +71,8 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
 
   Gradients are sums over tokens accumulated over a `lax.scan` of microbatches, then divided by
   the batch's token count: N microbatches give the gradient of one batch of N times the size.
-  They are constrained to the gradient view of the layout (sharded over `data` from ZeRO-2 on,
-  also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and the mean is cast
+  Reduced, they take the optimizer state's view (`REDUCED`: sharded over `data` from ZeRO-1 on;
+  from ZeRO-2 on also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and the mean is cast
   back to each parameter's dtype. fp8 amax histories travel as new state (trainer/non_gradient).
   Tensorwise and delayed fp8 weights are quantized once, before the microbatches
   (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
@@ -76,17 +83,26 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
 
   def sharded_grad_fn(params, batch, fp8_weights):
     grads, stats = grad_fn(params, batch, fp8_weights)
-    return constrain_tree(grads, names, "grads"), stats
+    return constrain_tree(grads, names, REDUCED), stats
 
   def replica_grads(params, micro, fp8_weights):
-    """Per-replica partial sums [R, ...]: each data-parallel replica differentiates its own rows
-    and keeps the result, so accumulation needs no communication (R = 1 without replicas)."""
+    """Per-device partial sums [R·C, ...]: each of the R data-parallel replicas differentiates
+    its own rows and, under context parallelism, each of a replica's C devices its own part of
+    the sequence (attention exchanges across the parts inside; sequence-wise sums add them up
+    over SEQUENCE_PARTS), and keeps the result, so accumulation needs no communication
+    (R = C = 1 without replicas or context)."""
     axes, replicas = layout.gradient_replica_axes
-    per_replica = {k: v.reshape(replicas, v.shape[0] // replicas, *v.shape[1:])
-                   for k, v in micro.items()}
-    with excluding(axes):
-      return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None), spmd_axis_name=axes or None)(
-          params, per_replica, fp8_weights)
+    part_axes = layout.gradient_sequence_axes
+    parts = layout.sequence_parts if part_axes else 1
+
+    def split(x):  # [B, L, ...] -> [R·C, B/R, L/C, ...], replica-major like the mesh's axes
+      x = x.reshape(replicas, x.shape[0] // replicas, parts, x.shape[1] // parts, *x.shape[2:])
+      return x.swapaxes(1, 2).reshape(replicas * parts, *x.shape[1:2], *x.shape[3:])
+    vmapped = (*axes, *part_axes)
+    with excluding(vmapped):
+      return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None), axis_name=SEQUENCE_PARTS,
+                      spmd_axis_name=vmapped or None)(
+          params, {k: split(v) for k, v in micro.items()}, fp8_weights)
 
   pipelined = make_pipeline_grads_fn(graphdef, layout, cfg,
                                      split_microbatches=split_microbatches, is_fp8=state.is_fp8)
@@ -102,7 +118,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
     if layout.pipeline > 1:  # the one place a layout changes the computation's structure
       grads, stats = pipelined(params, batch)
       grads = state.normalize(grads, jnp.maximum(stats["tokens"], 1.0))
-      return constrain_tree(grads, names, "grads"), stats
+      return constrain_tree(grads, names, REDUCED), stats
     fp8_weights = quantize_weights(model)
     if layout.microbatches == 1:
       grads, stats = sharded_grad_fn(params, batch, fp8_weights)
@@ -119,7 +135,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
       # The one reduction over replicas (an all-reduce, or a reduce-scatter under ZeRO-1).
       grads = state.reduce_replicas(grads, params)
       stats = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)
-      grads = constrain_tree(grads, names, "grads")
+      grads = constrain_tree(grads, names, REDUCED)
     return state.normalize(grads, jnp.maximum(stats["tokens"], 1.0)), stats
 
   return grads_fn

@@ -21,7 +21,7 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
                   f" {lay.virtual_stages}: every stage needs a layer")
   if lay.expert > 1 and (not m.moe or m.moe.num_experts % lay.expert):
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
-  if m.embed_dim % (lay.fsdp * (lay.data if lay.zero_stage else 1)):
+  if m.embed_dim % (lay.fsdp * (lay.data * lay.context if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
   # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
   # or with a sliding window or Ulysses into context contiguous ones (sharding.context_parallel).
