@@ -15,7 +15,7 @@ from models.layers import Einsum, logical_param, projection_kw
 from models.mlp import MLP
 from kernels.grouped_matmul import grouped_matmul
 from sharding import Layout, constrain, dropless_experts
-from sharding.context_parallel import whole_sequence_mean
+from sharding.context_parallel import whole_sequence_sum
 from sharding.expert import ExpertAxes
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
@@ -109,8 +109,10 @@ class Router(nnx.Module):
     # 1 when uniform. The fractions are counts (no gradient); the probabilities train. Per
     # sequence, the loss does not depend on how a layout splits the batch into microbatches
     # and replicas (a batch-wise one would).
-    fraction = whole_sequence_mean(load_BE, self.layout) / self.k
-    aux_B = num_experts * jnp.sum(fraction * whole_sequence_mean(probs, self.layout), axis=-1)
+    assigned, length = whole_sequence_sum(load_BE, self.layout)
+    fraction = assigned / (length * self.k)
+    probs_sum, _ = whole_sequence_sum(probs, self.layout)
+    aux_B = num_experts * jnp.sum(fraction * (probs_sum / length), axis=-1)
     z_BL = jnp.square(jax.nn.logsumexp(logits, axis=-1))  # ST-MoE router z-loss per token
     stats = {"aux_loss": aux_B, "z_loss": z_BL, "load": jnp.sum(load_BE, axis=(0, 1))}
     return ids.astype(jnp.int32), weights, stats

@@ -59,9 +59,9 @@ def zigzag(batch: dict, layout) -> dict:
   return {k: constrain(jnp.take(v, order, axis=1), ("batch", "seq")) for k, v in batch.items()}
 
 
-def whole_sequence_mean(x, layout, axis: int = 1):
-  """The mean over the sequence dim `axis` of a [B, L, ...] value, over the whole sequence also
-  where the train step differentiates each device's part of it apart (inside the replicas'
+def whole_sequence_sum(x, layout, axis: int = 1):
+  """(sum, length) over the sequence dim `axis` of a [B, L, ...] value, over the whole sequence
+  also where the train step differentiates each device's part of it apart (inside the replicas'
   vmap with `layout.gradient_sequence_axes`, whose axis SEQUENCE_PARTS runs over R replicas x
   C parts, replica-major): the sums of the C parts of this replica are added up. (A gather of
   the [R·C, B, ...] sums: psum takes no groups under vmap.)"""
@@ -73,7 +73,7 @@ def whole_sequence_mean(x, layout, axis: int = 1):
     mine = jax.lax.dynamic_index_in_dim(every.reshape(-1, parts, *total.shape), replica,
                                         keepdims=False)
     total, length = jnp.sum(mine, axis=0), length * parts
-  return total / length
+  return total, length
 
 
 def check_ulysses_degree(impl: str, degree: int) -> None:

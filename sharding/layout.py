@@ -185,7 +185,7 @@ class Layout:
     `context` axis for the vmap to split over (sharding.context_parallel.factored), and for
     a model whose loss does not add up over parts of a sequence (`sequence_parts_apart`).
     Sequence-wise sums inside (the MoE balance loss) add the parts up by
-    sharding.context_parallel.whole_sequence_mean."""
+    sharding.context_parallel.whole_sequence_sum."""
     if (self.microbatches == 1 or self.pipeline > 1 or self.context_impl == "ulysses_ring"
         or not self.sequence_parts_apart):
       return ()
