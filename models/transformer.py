@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.accumulating_scan import accumulating_scan, aligned
 from models.attention import Attention
 from models.compute import REMAT_POLICIES, ComputeConfig
 from models.config import ModelConfig
@@ -129,17 +130,20 @@ class Transformer(nnx.Module):
     """Token embeddings [B, L, D] on the residual stream."""
     return constrain(self.embed(tokens_BL), RESIDUAL)
 
-  def run_layers(self, x_BLD, positions_BL, segment_ids_BL, present=None):
+  def run_layers(self, x_BLD, positions_BL, segment_ids_BL, present=None, accumulators=None):
     """The layer stacks over x, dense then MoE (whatever number of stacked layers each holds:
     the model's, or a pipeline stage's). Returns (x, aux) as for `hidden`'s return_aux.
 
     `present`: {stack name: [rows] bool} marks the rows of a stack that hold a layer, the others
     pass x through unrun (the padding of uneven pipeline stages); None or a missing stack: all.
+    `accumulators`: {stack name: (gradient accumulator, use_max)}, whose gradient is the
+    accumulator plus the stack's weight gradient, added layer by layer in the backward
+    (models/accumulating_scan.py; the train step's microbatches); None: plain autodiff.
     """
-    present = present or {}
+    present, accumulators = present or {}, accumulators or {}
     if self.layers is not None:
       x_BLD, _ = self._run(self.layers, x_BLD, positions_BL, segment_ids_BL,
-                           present.get("layers"))
+                           present.get("layers"), accumulators.get("layers"))
     if self.moe_layers is None:
       return x_BLD, {}
     rows = present.get("moe_layers")
@@ -149,7 +153,8 @@ class Transformer(nnx.Module):
       # `pipeline` reaches it as a free axis); under the cond it lowers and trains like one
       # device (tests/test_moe_pipeline.py). The padded stacks of uneven stages always had it.
       rows = np.ones(jax.tree.leaves(nnx.state(self.moe_layers))[0].shape[0], bool)
-    x_BLD, per_layer = self._run(self.moe_layers, x_BLD, positions_BL, segment_ids_BL, rows)
+    x_BLD, per_layer = self._run(self.moe_layers, x_BLD, positions_BL, segment_ids_BL, rows,
+                                 accumulators.get("moe_layers"))
     return x_BLD, summarize(per_layer, self.config.moe_layers())
 
   def logits(self, hidden_BLD) -> jax.Array:
@@ -203,8 +208,9 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     return (x, aux) if return_aux else x
 
-  def _run(self, stack, x, positions_BL, segment_ids_BL, present=None):
+  def _run(self, stack, x, positions_BL, segment_ids_BL, present=None, accumulator=None):
     """One stack over x: (x, per-layer outputs stacked, or None for dense blocks).
+    `accumulator`: (gradient accumulator, use_max) for the stack's weights (`run_layers`).
 
     With model.full_attention_every = N, the scan steps over groups of N layers, unrolled inside,
     so that each layer's window is static (the kernels need it so) and the last one attends fully.
@@ -212,6 +218,10 @@ class Transformer(nnx.Module):
     numbering in both stacks.
     """
     graphdef, stacked = nnx.split(stack)
+    accumulating = accumulator is not None and self.compute.scan_layers
+    if accumulating:  # as a pure dict, the accumulator's layout
+      stacked = nnx.to_pure_dict(stacked)
+      acc, use_max = aligned(stacked, *accumulator)
     period = self.config.full_attention_every
     windows = [0 if period and (j + 1) % period == 0 else None for j in range(period or 1)]
 
@@ -238,6 +248,8 @@ class Transformer(nnx.Module):
           return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
         return jax.lax.cond(here, run, skip, x, layer_state)
       stacked = (stacked, jnp.asarray(present))
+      if accumulating:
+        acc, use_max = (acc, None), (use_max, None)
 
     def body(x, rows):  # len(windows) consecutive layers, each with its own window
       if len(windows) == 1:
@@ -249,11 +261,13 @@ class Transformer(nnx.Module):
       return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
     groups = jax.tree.leaves(stacked)[0].shape[0] // len(windows)
-    stacked = jax.tree.map(lambda a: a.reshape(groups, len(windows), *a.shape[1:])
-                           if period else a, stacked)
+    grouped = lambda a: a.reshape(groups, len(windows), *a.shape[1:]) if period else a
+    stacked = jax.tree.map(grouped, stacked)
     body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
                           prevent_cse=not self.compute.scan_layers)
-    if self.compute.scan_layers:
+    if accumulating:
+      x, ys = accumulating_scan(body, x, stacked, jax.tree.map(grouped, acc), use_max)
+    elif self.compute.scan_layers:
       x, ys = jax.lax.scan(body, x, stacked)
     else:  # unrolled: the same body and weights, for debugging
       outs = []

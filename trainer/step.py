@@ -25,22 +25,28 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 # Without ZeRO and from stage 2 on it is the "grads" view; inside the replicas' vmap too (the
 # vmap's axes are excluded).
 REDUCED = "opt_state"
+# The parameters' layer stacks (models/transformer.py), whose gradients accumulate in the backward.
+STACKS = ("layers", "moe_layers")
 
 
-def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True):
-  """loss_sums(params, batch) -> (loss_sum, stats): the model's final hidden states through the
-  head and the loss (trainer.loss.head_loss_sums), plus the MoE router losses and, when the model
-  has them and `mtp`, the multi-token prediction loss (trainer.loss.add_mtp_losses; the batch
-  gets its shifted targets here unless the caller added them before reordering the sequence)."""
+def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, use_max=None):
+  """loss_sums(params, batch, fp8_weights=None, accumulators=None) -> (loss_sum, stats): the
+  model's final hidden states through the head and the loss (trainer.loss.head_loss_sums), plus
+  the MoE router losses and, when the model has them and `mtp`, the multi-token prediction loss
+  (trainer.loss.add_mtp_losses; the batch gets its shifted targets here unless the caller added
+  them before reordering the sequence). `accumulators`: {stack name: gradient accumulator} whose
+  gradient is the accumulator plus the stack's weight gradient (models/accumulating_scan.py);
+  `use_max`: the parameters' tree of bools, True where they accumulate by max (fp8 histories)."""
   # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
   present = stage_split.present_rows(layout.stacks, flat=True)
 
-  def loss_sums(params, batch, fp8_weights=None):
+  def loss_sums(params, batch, fp8_weights=None, accumulators=None):
     model = nnx.merge(graphdef, params)
     if fp8_weights:  # quantized once per step, outside the differentiated function
       fp8_attach(model, fp8_weights)
+    stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
-                              batch["segment_ids"], present)
+                              batch["segment_ids"], present, stacks)
     loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg.z_loss)
     if aux:  # MoE layers: router losses join the loss, routing counts the stats
       loss_sum, stats = loss.add_moe_losses(loss_sum, stats, aux, batch["loss_mask"],
@@ -77,15 +83,26 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
   Tensorwise and delayed fp8 weights are quantized once, before the microbatches
   (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
   """
-  grad_fn = jax.grad(make_loss_sums(graphdef, layout, cfg), has_aux=True)
   state = NonGradient(names)
+  loss_sums = make_loss_sums(graphdef, layout, cfg, use_max=state.is_fp8)
+  grad_fn = jax.grad(loss_sums, has_aux=True)
+  # With microbatches, the layer stacks' gradients are added into their accumulators inside the
+  # backward, layer by layer (models/accumulating_scan.py), instead of into a new stacked buffer
+  # added to the accumulators afterwards.
+  accumulating_grad_fn = jax.grad(loss_sums, argnums=(0, 3), has_aux=True)
   accum_dtype = jnp.dtype(cfg.grad_accum_dtype)
 
-  def sharded_grad_fn(params, batch, fp8_weights):
-    grads, stats = grad_fn(params, batch, fp8_weights)
-    return constrain_tree(grads, names, REDUCED), stats
+  def sharded_grad_fn(params, batch, fp8_weights, stacks=None):
+    """(gradients, stats); with `stacks` (accumulators of the layer stacks), ((gradients,
+    the stacks' accumulators plus theirs), stats)."""
+    if stacks is None:
+      grads, stats = grad_fn(params, batch, fp8_weights)
+      return constrain_tree(grads, names, REDUCED), stats
+    (grads, stacks), stats = accumulating_grad_fn(params, batch, fp8_weights, stacks)
+    return (constrain_tree(grads, names, REDUCED),
+            constrain_tree(stacks, {k: names[k] for k in stacks}, REDUCED)), stats
 
-  def replica_grads(params, micro, fp8_weights):
+  def replica_grads(params, micro, fp8_weights, stacks=None):
     """Per-device partial sums [R·C, ...]: each of the R data-parallel replicas differentiates
     its own rows and, under context parallelism, each of a replica's C devices its own part of
     the sequence (attention exchanges across the parts inside; sequence-wise sums add them up
@@ -100,9 +117,9 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
       return x.swapaxes(1, 2).reshape(replicas * parts, *x.shape[1:2], *x.shape[3:])
     vmapped = (*axes, *part_axes)
     with excluding(vmapped):
-      return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None), axis_name=SEQUENCE_PARTS,
+      return jax.vmap(sharded_grad_fn, in_axes=(None, 0, None, 0), axis_name=SEQUENCE_PARTS,
                       spmd_axis_name=vmapped or None)(
-          params, {k: split(v) for k, v in micro.items()}, fp8_weights)
+          params, {k: split(v) for k, v in micro.items()}, fp8_weights, stacks)
 
   pipelined = make_pipeline_grads_fn(graphdef, layout, cfg,
                                      split_microbatches=split_microbatches, is_fp8=state.is_fp8)
@@ -123,9 +140,15 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
     if layout.microbatches == 1:
       grads, stats = sharded_grad_fn(params, batch, fp8_weights)
     else:
+      stack_names = [k for k in STACKS if k in params] if model.compute.scan_layers else []
+
       def accumulate(carry, micro):
-        grads, stats = replica_grads(params, micro, fp8_weights)
-        return (state.combine(carry[0], grads), jax.tree.map(jnp.add, carry[1], stats)), None
+        total, stats_total = carry
+        (grads, stacks), stats = replica_grads(params, micro, fp8_weights,
+                                               {k: total[k] for k in stack_names})
+        # The stacks' entries of `grads` are zeros (theirs went into `stacks`), left unused.
+        total = {**state.combine(total, grads), **stacks}
+        return (total, jax.tree.map(jnp.add, stats_total, stats)), None
 
       micro = split_microbatches(batch, layout.microbatches)
       first = jax.tree.map(lambda x: x[0], micro)
