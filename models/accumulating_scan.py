@@ -66,8 +66,8 @@ def _bwd(body, use_max, res, cts):
     acc = jax.tree.map(add, acc, ct_xs, use_max, is_leaf=_is_none)
     # The leaves not accumulated keep their per-step cotangents, stacked as usual (integer
     # leaves, like the padded stacks' row masks, have none).
-    rest = jax.tree.map(lambda a, ct: ct if a is None and ct.dtype != jax.dtypes.float0
-                        else None, acc, ct_xs, is_leaf=_is_none)
+    rest = jax.tree.map(lambda a, ct: ct if a is None and ct is not None
+                        and ct.dtype != jax.dtypes.float0 else None, acc, ct_xs, is_leaf=_is_none)
     return (ct_h, acc), rest
 
   (ct_x, acc), ct_rest = jax.lax.scan(

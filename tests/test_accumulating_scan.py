@@ -3,11 +3,19 @@ the gradient-accumulation buffer in place. Its "cotangent" for the buffer is the
 gradient (by max for fp8 histories), also under the train step's replicas' vmap, and the
 backward holds no second stacked gradient beside the buffer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models.accumulating_scan import accumulating_scan
+from models.fp8.config import Fp8Config
+from sharding import MeshConfig
+from tests import parallel_harness as harness
+from tests.test_moe_parallel import MOE
+from tests.test_parallel import assert_same_training
 
 LAYERS, DIM = 4, 8
 
@@ -97,3 +105,21 @@ def test_the_backward_holds_no_second_stacked_gradient():
   assert temp[0] >= stacked  # the variants differ: plain autodiff stacks the gradient
   # In place: the backward's temporaries (residuals, a layer's gradient) are a fraction of it.
   assert temp[1] < stacked / 2
+
+
+@pytest.mark.parametrize("what", ["fp8 tensorwise", "fp8 delayed", "moe"])
+def test_the_train_step_accumulates_as_plain_autodiff_does(what):
+  """2 microbatches: the step with the accumulating scan (the layers scanned) trains as the same
+  step unrolled (`compute.scan_layers=False`: plain autodiff, accumulated after each
+  microbatch): fp8 weights quantized outside the differentiated function and attached to the
+  layers, delayed-scaling histories combined by max (data=2 x fsdp=2 x tensor=2), the MoE stack
+  and its router losses (data=2 x expert=2 x tensor=2)."""
+  compute, moe, mesh = harness.COMPUTE, None, MeshConfig(data=2, fsdp=2, tensor=2)
+  if what.startswith("fp8"):
+    compute = dataclasses.replace(compute, fp8=Fp8Config(enabled=True, recipe=what.split()[1]))
+  else:
+    moe, mesh = MOE, MeshConfig(data=2, expert=2, tensor=2)
+  runs = [harness.run(mesh, microbatches=2, moe=moe,
+                      compute=dataclasses.replace(compute, scan_layers=scan))
+          for scan in (True, False)]
+  assert_same_training(*runs)
