@@ -297,8 +297,7 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
 
 
 def shards(layout: Layout) -> tuple[int, int, int]:
-  """(param, grad, optimizer) shard counts: fsdp always, plus data x context (the ZeRO group,
-  sharding.rules.ZERO_AXES) from ZeRO stage 3/2/1."""
+  """(param, grad, optimizer) shard counts: fsdp, times data x context from ZeRO 3/2/1."""
   f, d, z = layout.fsdp, layout.data * layout.context, layout.zero_stage
   return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
 
