@@ -78,10 +78,10 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
   Gradients are sums over tokens accumulated over a `lax.scan` of microbatches, then divided by
   the batch's token count: N microbatches give the gradient of one batch of N times the size.
   Reduced, they take the optimizer state's view (`REDUCED`: sharded over `data` from ZeRO-1 on;
-  from ZeRO-2 on also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and the mean is cast
-  back to each parameter's dtype. fp8 amax histories travel as new state (trainer/non_gradient).
-  Tensorwise and delayed fp8 weights are quantized once, before the microbatches
-  (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
+  from ZeRO-2 on also while accumulating). The sums are carried in `cfg.grad_accum_dtype` and
+  the mean is cast back to each parameter's dtype. fp8 amax histories travel as new state
+  (trainer/non_gradient). Tensorwise and delayed fp8 weights are quantized once, before the
+  microbatches (models/fp8/weights.py), so FSDP gathers them in fp8 once per step.
   """
   state = NonGradient(names)
   loss_sums = make_loss_sums(graphdef, layout, cfg, use_max=state.is_fp8)
