@@ -26,7 +26,7 @@ Usage:
   make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn']
   python -m benchmarks.gpu_check --phase {smoke,tests,kernels,train,fp8,all} [--out_dir DIR]
       [--budget_s 400] [--attention cudnn,pallas_flash] [--remat none,selective,full]
-      [--wheels missing|pinned|none] [--rehearse]
+      [--wheels missing|pinned|none] [--artifacts_dir DIR] [--rehearse]
 `--rehearse` runs the phases on the CPU at tiny sizes: the script's own code path, for the CPU
 suite (tests/test_gpu_check.py), never a GPU result.
 """
@@ -225,7 +225,7 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
       break
   env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEMORY_FRACTION)
   ok = True
-  for run in runs:
+  for index, run in enumerate(runs):
     fields = dict(benchmark="train_step", **run)
     if time.monotonic() > deadline:
       results.emit(**fields, status="skipped", reason="the phase's time budget is spent")
@@ -233,6 +233,12 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
     command = [sys.executable, "-m", "benchmarks.gpu_train",
                *(f"--{k}={v}" for k, v in run.items()), f"--peak_tflops={peak}",
                f"--batches={BATCHES.get(run['remat'], '2,1')}"]
+    if args.artifacts_dir:  # the compiled program of every run, a trace of the phase's first
+      name = "-".join(str(v) for v in run.values() if v)
+      os.makedirs(args.artifacts_dir, exist_ok=True)
+      command.append(f"--hlo_out={os.path.join(args.artifacts_dir, name + '.hlo.txt.gz')}")
+      if index == 0:
+        command.append(f"--trace_dir={os.path.join(args.artifacts_dir, 'trace-' + name)}")
     if args.rehearse:
       command += ["--rehearse", "--seq=64", "--layers=2", "--batches=2", "--steps=2",
                   "--warmup=1"]
@@ -294,6 +300,8 @@ def main(argv=None) -> int:
   parser.add_argument("--attention", default="cudnn,pallas_flash")
   parser.add_argument("--remat", default="none,selective,full")
   parser.add_argument("--wheels", default="missing", choices=("missing", "pinned", "none"))
+  parser.add_argument("--artifacts_dir", default="",
+                      help="train/fp8: keep each run's compiled program and a trace of the first")
   parser.add_argument("--rehearse", action="store_true")
   args = parser.parse_args(argv)
   if args.rehearse:
@@ -320,7 +328,8 @@ def main(argv=None) -> int:
   if args.phase == "all":  # each phase in a fresh process: its own GPU memory, nothing held over
     common = [f"--out_dir={args.out_dir}", f"--budget_s={args.budget_s}",
               f"--attention={args.attention}", f"--remat={args.remat}", "--wheels=none",
-              *(["--rehearse"] if args.rehearse else [])]
+              *(["--rehearse"] if args.rehearse else []),
+              *([f"--artifacts_dir={args.artifacts_dir}"] if args.artifacts_dir else [])]
     failed = [phase for phase in PHASES if subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", f"--phase={phase}", *common],
         cwd=REPO).returncode]

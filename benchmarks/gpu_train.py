@@ -50,6 +50,33 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
   return cfg
 
 
+def trace_ops(trace_dir: str, top: int = 15) -> dict:
+  """Milliseconds per step of the GPU's busiest ops (by name, numbers stripped) in a
+  `jax.profiler` trace of two steps: the XLA op lines of the GPU planes where the trace has
+  them, else every kernel event on them; {} without a GPU plane."""
+  import glob
+  import os
+  import re
+  import jax
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    return {}
+  by_name, lines_used = {}, set()
+  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    lines = list(plane.lines)
+    ops = [line for line in lines if line.name == "XLA Ops"] or lines
+    for line in ops:
+      lines_used.add(line.name)
+      for event in line.events:
+        name = re.sub(r"\.\d+$", "", event.name)
+        by_name[name] = by_name.get(name, 0.0) + event.duration_ns / 1e6 / 2
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+  return {"ms_per_step": {k: round(v, 3) for k, v in ranked},
+          "total_ms_per_step": round(sum(by_name.values()), 3), "lines": sorted(lines_used)}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +92,9 @@ def main(argv=None) -> None:
   parser.add_argument("--fp8", default="none", help="none | delayed | tensorwise | rowwise |"
                       " blockwise")
   parser.add_argument("--xla_options", default="", help="k=v,... (TrainConfig.xla_options)")
+  parser.add_argument("--hlo_out", default="", help="keep the compiled program here (.txt.gz)")
+  parser.add_argument("--trace_dir", default="",
+                      help="trace two steps after the timed ones; their GPU ops by time")
   parser.add_argument("--rehearse", action="store_true", help="CPU, a tiny model: the code path")
   args = parser.parse_args(argv)
   import jax
@@ -82,7 +112,8 @@ def main(argv=None) -> None:
                       args.fp8, args.xla_options)
     try:
       result = train_step.measure(cfg, [device], steps=args.steps, warmup=args.warmup,
-                                  peak_flops=args.peak_tflops * 1e12)
+                                  peak_flops=args.peak_tflops * 1e12, hlo_path=args.hlo_out,
+                                  after_trace_dir=args.trace_dir)
     except ValueError as e:  # the compiled program does not fit: try the next micro-batch
       if "GiB per device" not in str(e):
         raise
@@ -97,6 +128,10 @@ def main(argv=None) -> None:
   flops_per_token = cfg.model.flops_per_token(cfg.seq_len)
   compiled_peak = result["memory_gib_per_device"]["peak"]
   measured_peak = stats.get("peak_bytes_in_use", 0) / 2**30
+  # The step predicted from this very program (the `predict` phase): as `meshtron compile`
+  # predicts it for a cluster, with the profile of this GPU's kind.
+  predicted = result.get("predicted", {})
+  predicted_s = predicted.get("step_s")
   print(json.dumps({
       **fields, "status": "ok", "batch": cfg.batch_size, "tried_larger": tried,
       "params_b": round(cfg.model.num_params() / 1e9, 3),
@@ -112,6 +147,10 @@ def main(argv=None) -> None:
       "compiled_peak_gib": compiled_peak, "measured_peak_gib": round(measured_peak, 3),
       "measured_over_compiled": round(measured_peak / compiled_peak, 3) if compiled_peak else None,
       "memory_limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2),
+      "predicted_step_s": round(predicted_s, 5) if predicted_s else None,
+      "predicted_over_measured": round(predicted_s / result["step_s"], 3) if predicted_s
+      else None, "predicted": predicted,
+      "trace_ops": trace_ops(args.trace_dir) if args.trace_dir else None,
       "device": device.device_kind, "platform": device.platform}), flush=True)
 
 

@@ -134,8 +134,11 @@ def wait_idle(seconds: float, cores: float = 0.25) -> float:
 
 
 def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
-            trace_dir: str = "") -> dict:
-  """Compiles and runs `cfg`; returns the measurement (see the module docstring)."""
+            trace_dir: str = "", hlo_path: str = "", after_trace_dir: str = "") -> dict:
+  """Compiles and runs `cfg`; returns the measurement (see the module docstring). On a GPU with
+  a built-in profile it also predicts the step from the compiled program (`predicted`, as
+  `meshtron compile` does). `hlo_path` keeps the compiled program's text (gzip);
+  `after_trace_dir` traces two more steps after the timed ones (the timing stays untraced)."""
   import jax
   from trainer.trainer import Trainer
   trainer = Trainer(cfg, devices)
@@ -146,6 +149,7 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
          "memory_gib_per_device": {k: round(v / 2**30, 4) for k, v in rep.memory.items()},
          "collective_mib_per_device": round(rep.wire_bytes / 2**20, 3),
          "xla_flops_per_device": rep.flops}
+  out.update(_predicted(cfg, trainer, rep, hlo_path))
   if steps <= 0:
     return out
   trainer.init_state()
@@ -171,6 +175,12 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
     if trace_dir:
       jax.profiler.stop_trace()
       out["trace"] = summarize_trace(trace_dir, steps, wall)
+    if after_trace_dir:
+      jax.profiler.start_trace(after_trace_dir)
+      for _ in range(2):
+        trainer.state, metrics = trainer.compiled_step(trainer.state, batch)
+      jax.block_until_ready((trainer.state, metrics))
+      jax.profiler.stop_trace()
   timed = times[warmup:]
   step_s, step_s_mean = statistics.median(timed), statistics.fmean(timed)
   tokens = cfg.batch_size * cfg.seq_len
@@ -186,6 +196,32 @@ def measure(cfg, devices=None, *, steps: int, warmup: int, peak_flops: float,
       other_cores=round(max(0.0, (busy - cpu) / wall), 2),
       page_faults_per_step=round(faults / steps))
   return out
+
+
+def _predicted(cfg, trainer, rep, hlo_path: str) -> dict:
+  """The step predicted from the compiled program (sharding/xla/step_time.py), where the device
+  has a built-in hardware profile and the program was scheduled (GPUs); {} elsewhere."""
+  import gzip
+  from sharding.plan import hardware
+  from sharding.xla import step_time
+  devices = list(trainer.mesh.devices.flat)
+  text = trainer.compiled_step.as_text() if hlo_path or rep.is_scheduled else ""
+  if hlo_path:
+    with gzip.open(hlo_path, "wt") as f:
+      f.write(text)
+  profile = hardware.profile_of_device(getattr(devices[0], "device_kind", ""))
+  if profile is None or not rep.is_scheduled:
+    return {}
+  tokens = cfg.batch_size * cfg.seq_len
+  try:
+    summary = step_time.predict(text, profile).summary(
+        tokens, cfg.model.flops_per_token(cfg.seq_len) * tokens, len(devices),
+        profile.peak_bf16_flops)
+  except Exception as e:  # noqa: BLE001  (a failed prediction must not lose the measurement)
+    return {"predicted": {"error": f"{type(e).__name__}: {str(e)[:300]}"}}
+  summary["top_ops"] = [{k: op[k] for k in ("name", "kind", "total_s", "flops", "bytes")}
+                        for op in summary["top_ops"][:6]]
+  return {"predicted": dict(summary, profile=profile.name)}
 
 
 def main(argv=None) -> None:
