@@ -38,6 +38,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -167,8 +168,11 @@ class Results:
     self._file.close()
 
 
-def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -> bool:
-  """`pytest -m gpu` in a child process; one line per test from its JUnit report."""
+def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
+              select: str = "") -> bool:
+  """`pytest -m gpu` in a child process (`select`: its -k expression); one line per test from
+  its JUnit report, or, when the phase's budget cut pytest short (no report), from its verbose
+  output so far."""
   junit = os.path.join(out_dir, "junit.xml")
   # Memory on demand: the tests start processes of their own (the CLI) beside this one.
   env = dict(os.environ, MESHTRON_GPU_TESTS="rehearse" if rehearse else "gpu",
@@ -177,16 +181,24 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -
   # only those keeps the CPU suite's imports (notebooks, MaxText peers) off the GPU machine.
   files = sorted(os.path.relpath(p, REPO)
                  for p in glob.glob(os.path.join(REPO, "tests", "test_gpu_*.py")))
-  command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", *files]
+  command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", *(["-k", select] if select else []), *files]
+  cut_short = []
   try:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=max(60.0, deadline - time.monotonic()))
     tail = (proc.stdout + proc.stderr)[-4000:]
   except subprocess.TimeoutExpired as e:
-    tail = f"pytest ran past the phase's time budget\n{str(e.stdout or '')[-3000:]}"
+    text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+    tail = f"pytest ran past the phase's time budget\n{text[-3000:]}"
+    cut_short = re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
   print(tail, flush=True)
   counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+  for test, outcome in cut_short:
+    outcome = {"ERROR": "error"}.get(outcome, outcome.lower())
+    counts[outcome] += 1
+    results.emit(test=test, outcome=outcome, seconds=None, message="", properties={},
+                 note="pytest was cut short by the phase's budget: outcome from its output")
   for case in (ElementTree.parse(junit).getroot().iter("testcase")
                if os.path.exists(junit) else []):
     outcome, message = "passed", ""
@@ -203,7 +215,7 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float) -
   # A rehearsal skips what exists only on a GPU; on a GPU nothing may skip.
   allowed_skips = counts["skipped"] if rehearse else 0
   ok = (counts["passed"] > 0 and counts["failed"] == counts["error"] == 0
-        and counts["skipped"] <= allowed_skips)
+        and counts["skipped"] <= allowed_skips and not cut_short)
   results.emit(summary="pytest -m gpu", ok=ok, **counts, output_tail=tail[-1500:])
   return ok
 
@@ -278,7 +290,7 @@ def run_phase(phase: str, args, facts: dict) -> bool:
       from benchmarks import gpu_kernels
       return gpu_kernels.smoke(results.emit, args.rehearse)
     if phase == "tests":
-      return run_tests(results, args.out_dir, args.rehearse, deadline)
+      return run_tests(results, args.out_dir, args.rehearse, deadline, args.tests_k)
     if phase == "kernels":
       from benchmarks import gpu_kernels
       gpu_kernels.peak(results.emit, args.rehearse)
@@ -300,6 +312,7 @@ def main(argv=None) -> int:
   parser.add_argument("--attention", default="cudnn,pallas_flash")
   parser.add_argument("--remat", default="none,selective,full")
   parser.add_argument("--wheels", default="missing", choices=("missing", "pinned", "none"))
+  parser.add_argument("--tests_k", default="", help="tests: only those pytest -k selects")
   parser.add_argument("--artifacts_dir", default="",
                       help="train/fp8: keep each run's compiled program and a trace of the first")
   parser.add_argument("--rehearse", action="store_true")

@@ -126,7 +126,19 @@ def compiler_options(preset_name: str, overrides: dict | None = None,
                      mesh_sizes: dict[str, int] | None = None) -> dict:
   """The preset's options (`auto` resolved for the mesh sizes) with `overrides` (explicit
   xla_options) taking precedence."""
-  return {**preset(resolve(preset_name, mesh_sizes)).as_dict(), **(overrides or {})}
+  options = preset(resolve(preset_name, mesh_sizes)).as_dict()
+  if preset_name == AUTO:  # `auto` is the best this XLA takes: a named preset fails instead
+    options = {k: v for k, v in options.items() if k not in removed_options()}
+  return {**options, **(overrides or {})}
+
+
+@functools.lru_cache(maxsize=1)
+def removed_options() -> frozenset:
+  """The presets' options this XLA rejects (a later release removed them): jax 0.11.2 has no
+  xla_gpu_enable_pipelined_all_gather (seen on the lent H200, 2026-11-26). Compiles one trivial
+  program per option, once per process."""
+  every = {(o.name, o.value) for p in PRESETS.values() for o in p.options}
+  return frozenset(name for name, value in every if _try(((name, value),)))
 
 
 def _versions() -> str:
