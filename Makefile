@@ -91,7 +91,7 @@ anchors: $(STAMP)
 
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
 # `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl
-# (benchmarks/gpu_check.py). PHASE = smoke, tests, kernels, train, fp8 or all; each phase is one
+# (benchmarks/gpu_check.py). PHASE = smoke, tests, kernels, train, fp8, moe or all; each phase is one
 # command of at most ~8 minutes on one H100. Without a GPU it fails with one line and changes
 # nothing.
 GPU_PYTHON ?= python3

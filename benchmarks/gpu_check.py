@@ -46,7 +46,9 @@ import time
 import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("smoke", "tests", "kernels", "train", "fp8")
+PHASES = ("smoke", "tests", "kernels", "train", "fp8", "moe")
+# The moe phase's runs (issue [24]): (model, layers, routed experts), each dropless and dropping.
+MOE_CUTS = (("qwen3_30b_a3b", 4, 0), ("deepseek_v3_like", 4, 32))
 TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
 # The fp8 phase's runs: (fp8 recipe, xla_options); a rehearsal runs the first two.
 FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("delayed", ""),
@@ -168,6 +170,17 @@ class Results:
     self._file.close()
 
 
+def outcomes_so_far(log_path: str) -> list[dict]:
+  """The tests that ended before pytest was cut short, each with its outcome, seconds and
+  failure message (tests/conftest.py writes them to MESHTRON_GPU_TEST_LOG as they end)."""
+  if not os.path.exists(log_path):
+    return []
+  rows = [json.loads(line) for line in open(log_path, encoding="utf-8") if line.strip()]
+  return [dict(r, outcome={"failed": "error"}.get(r["outcome"], r["outcome"])
+               if r["when"] != "call" and r["outcome"] == "failed" else r["outcome"])
+          for r in rows]
+
+
 def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
               select: str = "") -> bool:
   """`pytest -m gpu` in a child process (`select`: its -k expression); one line per test from
@@ -175,8 +188,11 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
   output so far."""
   junit = os.path.join(out_dir, "junit.xml")
   # Memory on demand: the tests start processes of their own (the CLI) beside this one.
+  progress = os.path.join(out_dir, ".tests-progress.jsonl")
+  if os.path.exists(progress):
+    os.remove(progress)
   env = dict(os.environ, MESHTRON_GPU_TESTS="rehearse" if rehearse else "gpu",
-             XLA_PYTHON_CLIENT_PREALLOCATE="false")
+             XLA_PYTHON_CLIENT_PREALLOCATE="false", MESHTRON_GPU_TEST_LOG=progress)
   # The gpu tests live in tests/test_gpu_*.py (tests/test_gpu_check.py checks that): collecting
   # only those keeps the CPU suite's imports (notebooks, MaxText peers) off the GPU machine.
   files = sorted(os.path.relpath(p, REPO)
@@ -191,14 +207,14 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
   except subprocess.TimeoutExpired as e:
     text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
     tail = f"pytest ran past the phase's time budget\n{text[-3000:]}"
-    cut_short = re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+    cut_short = outcomes_so_far(progress)
   print(tail, flush=True)
   counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-  for test, outcome in cut_short:
-    outcome = {"ERROR": "error"}.get(outcome, outcome.lower())
-    counts[outcome] += 1
-    results.emit(test=test, outcome=outcome, seconds=None, message="", properties={},
-                 note="pytest was cut short by the phase's budget: outcome from its output")
+  for row in cut_short:
+    counts[row["outcome"]] += 1
+    results.emit(test=row["test"], outcome=row["outcome"], seconds=row["seconds"],
+                 message=row["message"][:500], properties={},
+                 note="pytest was cut short by the phase's budget: the tests that ended")
   for case in (ElementTree.parse(junit).getroot().iter("testcase")
                if os.path.exists(junit) else []):
     outcome, message = "passed", ""
@@ -216,6 +232,8 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
   allowed_skips = counts["skipped"] if rehearse else 0
   ok = (counts["passed"] > 0 and counts["failed"] == counts["error"] == 0
         and counts["skipped"] <= allowed_skips and not cut_short)
+  if os.path.exists(progress):
+    os.remove(progress)
   results.emit(summary="pytest -m gpu", ok=ok, **counts, output_tail=tail[-1500:])
   return ok
 
@@ -273,10 +291,15 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
 
 
 def train_runs(phase: str, args) -> list[dict]:
-  """The gpu_train.py runs of the train phase (attention x remat, bf16) or of the fp8 phase."""
+  """The gpu_train.py runs of the train phase (attention x remat, bf16), the fp8 phase or the moe
+  phase (each cut dropless and dropping, remat selective)."""
   if phase == "train":
     return [dict(attention=a, remat=r) for a in args.attention.split(",")
             for r in args.remat.split(",")]
+  if phase == "moe":
+    return [dict(attention=args.attention.split(",")[0], remat="selective", model=name,
+                 layers=layers, experts=experts, dispatch=dispatch)
+            for name, layers, experts in MOE_CUTS for dispatch in ("dropless", "dropping")]
   runs = FP8_RUNS[:2] if args.rehearse else FP8_RUNS
   return [dict(attention=args.attention.split(",")[0], remat="full", fp8=fp8, xla_options=x)
           for fp8, x in runs]

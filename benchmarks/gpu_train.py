@@ -13,6 +13,11 @@ of the unmasked 12 x ...). MFU is reported against the GPU's bf16 data-sheet fig
 989 TFLOP/s, as the published anchors count it) and against the bf16 matmul peak measured on
 this GPU.
 
+`--model=qwen3_30b_a3b|deepseek_v3_like` (the moe phase) measures a MoE preset cut to `--layers`
+layers and `--experts` routed experts (its leading dense layers kept, as many as leave one MoE
+layer; top-k and widths kept) with `--dispatch`; each line names the cut, and MFU counts the
+active parameters (`flops_per_token`: the top-k experts).
+
 With `--fp8=RECIPE` the projections run in fp8 (compute.fp8; the MFU numerator stays the same
 FLOPs, against the bf16 figures), and `--xla_options` passes XLA options (e.g.
 xla_gpu_enable_triton_gemm=false: cuBLASLt fp8 GEMMs instead of the autotuner's choice).
@@ -29,14 +34,48 @@ import json
 from benchmarks import train_step
 
 
+# The moe phase's models (issue [24]): their widths, cut to a few layers and experts.
+MOE_MODELS = ("qwen3_30b_a3b", "deepseek_v3_like")
+
+
+def moe_model(name: str, layers: int, experts: int, dispatch: str, rehearse: bool):
+  """A MoE preset cut to `layers` layers (its leading dense layers kept, as many as fit) and
+  `experts` routed experts (0: all; expert groups keep their count), top-k and widths kept."""
+  from configs import moe
+  model = moe.model(name)
+  routing = dict(num_experts=experts or model.moe.num_experts, dispatch=dispatch,
+                 first_dense_layers=min(model.moe.first_dense_layers, layers - 1))
+  if rehearse:  # the same routing at a size the CPU runs in seconds
+    model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
+                                num_kv_heads=2, head_dim=32, mlp_dim=256)
+    routing.update(num_experts=8, experts_per_token=2, expert_mlp_dim=64,
+                   expert_groups=min(model.moe.expert_groups, 4),
+                   groups_per_token=min(model.moe.groups_per_token, 2))
+  return dataclasses.replace(model, num_layers=layers,
+                             moe=dataclasses.replace(model.moe, **routing))
+
+
+def cut_name(model) -> str:
+  """What a line's model is: its layers (dense + MoE) and experts."""
+  if model.moe is None:
+    return f"{model.num_layers} layers"
+  m = model.moe
+  return (f"{model.num_layers} layers ({model.dense_layers()} dense + {model.moe_layers()} MoE),"
+          f" {m.num_experts} experts top-{m.experts_per_token}, {m.dispatch}")
+
+
 def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool,
-                fp8: str = "none", xla_options: str = ""):
+                fp8: str = "none", xla_options: str = "", model_name: str = "llama3_8b",
+                experts: int = 0, dispatch: str = "dropless"):
   from configs import llama
   from models.fp8.config import Fp8Config
   from trainer.config import DataConfig
   cfg = llama.debug()
-  model = llama.model("llama3_8b")
-  if rehearse:  # the same model family at a size the CPU compiles and runs in seconds
+  if model_name in MOE_MODELS:
+    model = moe_model(model_name, layers, experts, dispatch, rehearse)
+  else:
+    model = llama.model(model_name)
+  if rehearse and model.moe is None:  # the same family at a size the CPU runs in seconds
     model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
                                 num_kv_heads=2, head_dim=32, mlp_dim=256)
   fp8_config = Fp8Config() if fp8 == "none" else Fp8Config(enabled=True, recipe=fp8)
@@ -45,7 +84,10 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
                                     fp8=fp8_config)
   cfg.xla_options = xla_options
   cfg.batch_size, cfg.seq_len, cfg.sample_tokens = batch, seq, 0
-  cfg.data = DataConfig(source="synthetic")
+  # Synthetic rows are one document each, so no document mask changes nothing but the program:
+  # cuDNN's causal kernel without a [B, 1, L, L] mask bias (the first H200 visit read that bias in
+  # every attention call; benchmarks/results/gpu/visits/2026-11-26b).
+  cfg.data = DataConfig(source="synthetic", document_mask=False)
   cfg.compilation_cache_dir = ""  # compile time is part of the measurement
   return cfg
 
@@ -92,6 +134,10 @@ def main(argv=None) -> None:
   parser.add_argument("--fp8", default="none", help="none | delayed | tensorwise | rowwise |"
                       " blockwise")
   parser.add_argument("--xla_options", default="", help="k=v,... (TrainConfig.xla_options)")
+  parser.add_argument("--model", default="llama3_8b",
+                      help=f"llama3_8b, or a MoE cut: {', '.join(MOE_MODELS)}")
+  parser.add_argument("--experts", type=int, default=0, help="MoE: routed experts (0: all)")
+  parser.add_argument("--dispatch", default="dropless", help="MoE: dropless | dropping")
   parser.add_argument("--hlo_out", default="", help="keep the compiled program here (.txt.gz)")
   parser.add_argument("--trace_dir", default="",
                       help="trace two steps after the timed ones; their GPU ops by time")
@@ -103,13 +149,16 @@ def main(argv=None) -> None:
   # The data-sheet dense bf16 peak of this GPU (H100 SXM: 989 TFLOP/s); none on a CPU.
   profile = hardware.profile_of_device(device.device_kind)
   spec = profile.peak_bf16_flops if profile else 0.0
-  fields = dict(benchmark="train_step", model="llama3_8b_dims", layers=args.layers,
+  fields = dict(benchmark="train_step", model=f"{args.model}_dims", layers=args.layers,
                 attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16",
                 fp8=args.fp8, xla_options=args.xla_options)
+  if args.model in MOE_MODELS:
+    fields.update(experts=args.experts, dispatch=args.dispatch)
   tried = []
   for batch in map(int, args.batches.split(",")):
     cfg = make_config(args.attention, args.remat, batch, args.seq, args.layers, args.rehearse,
-                      args.fp8, args.xla_options)
+                      args.fp8, args.xla_options, args.model, args.experts, args.dispatch)
+    fields["cut"] = cut_name(cfg.model)
     try:
       result = train_step.measure(cfg, [device], steps=args.steps, warmup=args.warmup,
                                   peak_flops=args.peak_tflops * 1e12, hlo_path=args.hlo_out,
@@ -135,6 +184,7 @@ def main(argv=None) -> None:
   print(json.dumps({
       **fields, "status": "ok", "batch": cfg.batch_size, "tried_larger": tried,
       "params_b": round(cfg.model.num_params() / 1e9, 3),
+      "active_params_b": round(cfg.model.active_params() / 1e9, 3),
       "flops_per_token": flops_per_token,
       "flops_counted": "6N (matmul params incl. head) + 6 x layers x heads x head_dim x seq",
       "tokens_per_s": tokens_per_s, "step_s": result["step_s"],

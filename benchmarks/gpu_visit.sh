@@ -5,7 +5,8 @@
 # cut short), the compiled programs and the trace tarred into $OUT/artifacts.tgz at the end.
 # Usage (on the GPU machine): VISIT_S=570 benchmarks/gpu_visit.sh smoke:150 tests:210 train:rest
 #   PHASE:SECONDS runs gpu_check's phase with that budget; "rest" takes what is left.
-#   GPU_CHECK_ARGS adds options to every phase (e.g. "--attention=cudnn --remat=selective,none").
+#   GPU_CHECK_ARGS adds options to every phase (e.g. "--attention=cudnn --remat=selective,none");
+#   TESTS_K selects gpu tests by a pytest -k expression (spaces allowed: "not flash_kernel").
 set -u
 OUT=${OUT:-/tmp/gpu-out}; VISIT_S=${VISIT_S:-570}; ART=/tmp/gpu-artifacts
 mkdir -p "$OUT" "$ART"
@@ -21,7 +22,8 @@ for item in "$@"; do
   echo "visit: $phase for up to ${budget}s (t=$(( $(date +%s) - start ))s)"
   # The phase stops starting new measurements 20 s before its cut.
   timeout -k 5 "$budget" python3 -m benchmarks.gpu_check --phase "$phase" --out_dir "$OUT" \
-    --budget_s $(( budget - 20 )) --artifacts_dir "$ART" ${GPU_CHECK_ARGS:-}
+    --budget_s $(( budget - 20 )) --artifacts_dir "$ART" ${GPU_CHECK_ARGS:-} \
+    ${TESTS_K:+"--tests_k=$TESTS_K"}
   echo "visit: $phase rc=$? (t=$(( $(date +%s) - start ))s)"
   # After the first phase installed the carried wheels, later phases find them on the path.
   [ -d /tmp/meshtron-gpu-site ] && export PYTHONPATH=/tmp/meshtron-gpu-site

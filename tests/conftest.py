@@ -11,6 +11,7 @@ MESHTRON_GPU_TESTS:
 """
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -54,6 +55,21 @@ def pytest_runtest_setup(item):
   if GPU_MODE and not on_gpu_marker:
     pytest.skip(f"MESHTRON_GPU_TESTS={GPU_MODE} runs only the gpu tests (this one assumes 8 fake"
                 " CPU devices)")
+
+
+def pytest_runtest_logreport(report):
+  """With MESHTRON_GPU_TEST_LOG set (gpu_check's tests phase): one JSON line per test as it
+  ends, with its failure message, so a phase its budget cuts short keeps what finished."""
+  path = os.environ.get("MESHTRON_GPU_TEST_LOG")
+  if not path or (report.when != "call" and report.outcome == "passed"):
+    return
+  message = ""
+  if report.outcome != "passed" and report.longrepr is not None:
+    crash = getattr(report.longrepr, "reprcrash", None)  # failures: the raising line
+    message = crash.message if crash else str(report.longrepr)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"test": report.nodeid, "outcome": report.outcome, "when": report.when,
+                        "seconds": round(report.duration, 2), "message": message[:2000]}) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ measuring; the docs/gpu-check.md section it feeds; the wheels it carries."""
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -49,7 +50,7 @@ def test_without_a_gpu_it_fails_with_one_line_and_changes_nothing(tmp_path):
 
 # The `tests` phase (the gpu tests' own code at small sizes, ~60 s of the rehearsal's ~110 s on 2
 # cores, 3 CLI runs among them) is rehearsed in the slow set; the default suite rehearses the rest.
-FAST_PHASES = tuple(phase for phase in gpu_report.PHASES if phase != "tests")
+FAST_PHASES = tuple(phase for phase in gpu_check.PHASES if phase != "tests")
 
 
 def rehearse(out, phase: str) -> None:
@@ -108,6 +109,12 @@ def test_every_phase_rehearses_on_the_cpu(rehearsal):
   assert [(r["fp8"], r["xla_options"]) for r in fp8] == [
       ("tensorwise", "xla_gpu_enable_triton_gemm=false"), ("none", "")]
   assert all(r["status"] == "ok" and r["remat"] == "full" for r in fp8), fp8
+  moe = lines(rehearsal, "moe")  # each cut dropless and dropping, named in its line
+  assert [(r["model"], r["dispatch"]) for r in moe] == [
+      (f"{m}_dims", d) for m in ("qwen3_30b_a3b", "deepseek_v3_like")
+      for d in ("dropless", "dropping")]
+  assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and "experts top-" in r["cut"]
+             for r in moe), moe
 
 
 @pytest.mark.slow
@@ -141,6 +148,8 @@ def test_rehearsals_never_reach_the_doc_and_gpu_lines_do(rehearsal, tmp_path):
   assert re.search(r"\| pallas_flash \| full \| 2 \| \d+ \|", text), text
   assert re.search(r"\| tensorwise \| cuBLASLt \| 2 \| \d+ \| – \|", text), text
   assert re.search(r"\| none \| autotuned \| 2 \| \d+ \| 1.00x \|", text), text
+  assert re.search(r"\| deepseek_v3_like_dims \| 2 layers \(1 dense \+ 1 MoE\), 8 experts"
+                   r" top-2, dropping \| 2 \| \d+ \|", text), text
 
 
 @pytest.mark.slow
@@ -184,3 +193,44 @@ def test_carried_wheels_install_only_what_is_missing_unless_pinned():
   assert gpu_check.wheels_to_install(files, "missing") == files[1:]  # flax is installed here
   assert gpu_check.wheels_to_install(files, "pinned") == files
   assert gpu_check.wheels_to_install(files, "none") == []
+
+
+def test_a_cut_short_tests_phase_keeps_what_ended_with_its_message(tmp_path):
+  """tests/conftest.py logs each test as it ends (MESHTRON_GPU_TEST_LOG): a pytest killed
+  mid-run leaves the outcomes, seconds and failure messages of the tests before."""
+  case = tmp_path / "test_cut.py"
+  case.write_text("import time\n"
+                  "def test_a(): pass\n"
+                  "def test_b(): assert 1 == 2, 'one is not two'\n"
+                  "def test_c(): time.sleep(600)\n")
+  log = tmp_path / "progress.jsonl"
+  with pytest.raises(subprocess.TimeoutExpired):
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                    "tests.conftest", str(case)], cwd=REPO, capture_output=True, timeout=40,
+                   env=dict(cpu_env(), MESHTRON_GPU_TEST_LOG=str(log)))
+  rows = gpu_check.outcomes_so_far(str(log))
+  assert [(r["test"].split("::")[-1], r["outcome"]) for r in rows] == [
+      ("test_a", "passed"), ("test_b", "failed")]
+  assert "one is not two" in rows[1]["message"] and rows[0]["seconds"] >= 0
+
+
+VISIT = os.path.join(REPO, "benchmarks", "results", "gpu", "visits", "2026-11-26b")
+
+
+def test_the_predict_phase_scores_the_programs_compiled_on_the_gpu_here():
+  """benchmarks/gpu_predict.py on the first H200 visit: every train run's program predicted
+  again with this checkout's predictor; the committed predict.jsonl is what it gives now (a
+  predictor change regenerates it), and the trace's kernels add up to the GPU's busy time."""
+  from benchmarks import gpu_predict
+  rows = gpu_predict.predict_rows(VISIT)
+  train = lines(pathlib.Path(VISIT), "train")
+  assert [(r["attention"], r["remat"]) for r in rows] == [
+      (r["attention"], r["remat"]) for r in train]
+  for row, run in zip(rows, train):
+    assert row["measured_step_s"] == run["step_s"] and row["profile"] == "h200"
+    assert row["now_over_measured"] == round(row["predicted_now_s"] / run["step_s"], 3)
+  traced = rows[0]["traced_by_kind_s"]
+  busy = train[0]["trace_ops"]["total_ms_per_step"] / 1e3
+  assert sum(traced.values()) == pytest.approx(busy, rel=1e-3)
+  committed = lines(pathlib.Path(REPO, "benchmarks", "results", "gpu"), "predict")
+  assert committed == rows

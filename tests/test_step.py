@@ -1,5 +1,7 @@
 """The pure train step: gradient accumulation, loss masking, optimizer pieces, single compile."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,35 @@ def test_train_step_compiles_once_and_learns():
   assert len(traces) == 1
   assert losses[-1] < losses[0] - 0.5, losses  # memorizes the one batch
   assert int(state.step) == 6
+
+
+def test_without_the_document_mask_attention_sees_one_causal_row():
+  """data.document_mask=False (StepConfig.document_mask): rows of one document each give the
+  same loss as with the mask, from a program without the document mask (cuDNN then needs no
+  mask bias); rows of several documents attend across them, so their loss differs."""
+  from trainer.step import make_loss_sums
+  graphdef, state = one_device_state(optax.sgd(1.0))
+  cfg = TINY
+  sums = {flag: jax.jit(make_loss_sums(graphdef, sharding.Layout(),
+                                       StepConfig(document_mask=flag)))
+          for flag in (True, False)}
+  one_document = random_batch(1)
+  texts = {flag: f.lower(state.params, one_document).as_text() for flag, f in sums.items()}
+  # The document mask compares ids query by key: an equality on [B, 1, L, L] (the layers share
+  # one scan body), which only the masked program has.
+  masks = {flag: len(re.findall(r"compare\s+EQ.*tensor<8x1x16x16xi32>", text))
+           for flag, text in texts.items()}
+  assert masks == {True: 1, False: 0}, (cfg.num_layers, masks)
+  same = {flag: float(f(state.params, one_document)[0]) for flag, f in sums.items()}
+  np.testing.assert_allclose(same[True], same[False], rtol=1e-6)
+  packed = dict(one_document, segment_ids=np.repeat(np.arange(2, dtype=np.int32), 8)[None]
+                .repeat(8, 0))
+  across = {flag: float(f(state.params, packed)[0]) for flag, f in sums.items()}
+  assert abs(across[True] - across[False]) > 1e-3 * abs(across[True])
+  assert document_mask_of(False) is False and document_mask_of(True) is True
+
+
+def document_mask_of(flag: bool) -> bool:
+  """What TrainConfig.step() makes of data.document_mask."""
+  from trainer.config import DataConfig, TrainConfig
+  return TrainConfig(data=DataConfig(document_mask=flag)).step().document_mask

@@ -239,3 +239,15 @@ def test_the_anchor_table_is_rendered_from_the_committed_results():
   assert len(table) == len(step_time_anchors.ANCHORS)  # a row per anchor, in their order
   for a, line in zip(step_time_anchors.ANCHORS, table):
     assert line.startswith(f"| {a.name} ({a.release}) |")
+
+
+def test_cudnn_attention_backward_costs_five_matmuls_and_the_forward_two():
+  """The cuDNN backward's target ends in "Backward" (the H200's program): dQ, dK, dV, dP and the
+  recomputed scores, 5 x B·H·L²·d against the forward's 2 (each 2·B·H·L²·d halved, causal)."""
+  with open(os.path.join(SAMPLES, "h200_cudnn_attention.hlo")) as f:
+    prediction = step_time.predict(f.read(), hardware.PROFILES["h200"], top=50)
+  per_matmul = 2 * 4 * 256 * 256 * 64
+  forward = op(prediction, "dot_product_attention_fwd.1")
+  backward = op(prediction, "dot_product_attention_bwd.2")
+  assert forward["kind"] == backward["kind"] == "attention"
+  assert (forward["flops"], backward["flops"]) == (2 * per_matmul, 5 * per_matmul)

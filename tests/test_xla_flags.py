@@ -101,3 +101,16 @@ def test_meshtron_compile_for_gpus_fails_at_start_up_on_a_bad_option():
                                        " xla_gpu_enable_async_all_reduce=True is not accepted"):
     compile_for_gpus(tiny(xla_options="xla_gpu_enable_async_all_reduce=true"),
                      compiled.parse_gpu_target("h100x8"))
+
+
+def test_auto_drops_the_options_this_xla_removed_and_a_named_preset_keeps_them(monkeypatch):
+  """jax 0.11.2 (the lent H200) has no xla_gpu_enable_pipelined_all_gather: `auto` leaves it
+  out there; a preset named explicitly keeps it and fails in check_options with one line."""
+  assert presets.removed_options() == frozenset()  # the pinned XLA takes every preset option
+  gone = "xla_gpu_enable_pipelined_all_gather"
+  monkeypatch.setattr(presets, "removed_options", lambda: frozenset({gone}))
+  sizes = {"data": 2, "fsdp": 4}
+  assert presets.resolve("auto", sizes) == "overlap_v1"
+  auto = presets.compiler_options("auto", mesh_sizes=sizes)
+  assert gone not in auto and "xla_gpu_enable_pipelined_reduce_scatter" in auto
+  assert gone in presets.compiler_options("overlap_v1", mesh_sizes=sizes)

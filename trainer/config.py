@@ -34,6 +34,10 @@ class DataConfig:
   # each global batch (batches independent of the process count, exact resume on any count);
   # True = each process reads only its share of the documents (scales reading to huge corpora).
   shard_documents_by_process: bool = False
+  # True: attention never crosses a document boundary inside a packed row (Llama 3's choice).
+  # False: one causal mask over the whole row (Megatron's default, reset_attention_mask=False),
+  # which lets cuDNN run without a mask bias. Synthetic rows are one document each: either way.
+  document_mask: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,7 @@ class StepConfig:
   z_loss: float = 0.0
   spike_factor: float = 0.0  # > 0: skip steps whose loss exceeds this x its running average
   grad_accum_dtype: str = "float32"
+  document_mask: bool = True  # False: attention gets no document ids (trainer.step)
 
 
 OPTIMIZERS = ("adamw", "muon")
@@ -211,7 +216,8 @@ class TrainConfig:
   def step(self) -> StepConfig:
     """The train step's own settings."""
     return StepConfig(z_loss=self.z_loss, spike_factor=self.loss_spike_factor,
-                      grad_accum_dtype=self.grad_accum_dtype)
+                      grad_accum_dtype=self.grad_accum_dtype,
+                      document_mask=self.data.document_mask)
 
   def precision(self) -> Precision:
     """What this run stores per element, for the analytic memory model (sharding/plan)."""

@@ -167,3 +167,10 @@ def mtp_metrics(stats: dict, tokens, weight: float) -> dict:
   for k in range(depth):
     metrics[f"mtp_nll_{k + 1}"] = stats["mtp_nll_sum"][k] / jnp.maximum(stats["mtp_tokens"][k], 1)
   return metrics
+
+
+def attention_segments(batch: dict, document_mask: bool):
+  """The document ids attention masks by, or None (one causal mask over the row) where rows need
+  none (StepConfig.document_mask): cuDNN then runs its causal kernel without the [B, 1, L, L]
+  mask bias it otherwise reads in every call (the lent H200's trace, 2026-11-26)."""
+  return batch["segment_ids"] if document_mask else None

@@ -45,18 +45,21 @@ def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, 
     if fp8_weights:  # quantized once per step, outside the differentiated function
       fp8_attach(model, fp8_weights)
     stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
+    segments = loss.attention_segments(batch, cfg.document_mask)
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
-                              batch["segment_ids"], present, stacks)
+                              segments, present, stacks)
     loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), batch, cfg.z_loss)
     if aux:  # MoE layers: router losses join the loss, routing counts the stats
       loss_sum, stats = loss.add_moe_losses(loss_sum, stats, aux, batch["loss_mask"],
                                             model.config.moe)
     depth = model.config.mtp_depth
     if depth and mtp:  # multi-token prediction, from the last layer's output before the norm
-      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x,
-                                            loss.mtp_batch(batch, depth), cfg.z_loss)
+      loss_sum, stats = loss.add_mtp_losses(
+          model, loss_sum, stats, x, dict(loss.mtp_batch(batch, depth), segment_ids=segments),
+          cfg.z_loss)
     return loss_sum, dict(stats, loss_sum=loss_sum)
   return loss_sums
+
 
 
 def split_microbatches(batch: dict, n: int) -> dict:

@@ -5,7 +5,8 @@ import functools
 
 # A preset never changes once released: new option sets get a new version (overlap_v2), so a
 # recorded run names exactly the options it compiled with. An option an XLA release removes
-# makes the preset fail at start-up (check_options), never silently.
+# makes a preset named explicitly fail at start-up (check_options); `auto`, the default, leaves
+# it out (removed_options): a run on a newer jax still starts.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,7 +113,9 @@ class _Walk:
       shapes = [s for _, s in hlo.arrays(types.get((hlo.operands(ins) or [""])[0], ""))]
       if shapes and len(shapes[0]) == 4:
         b, length, heads, head_dim = shapes[0]
-        matmuls = 5 if "bwd" in ins.attrs.lower() else 2
+        # The backward's target is "__cudnn$fmha...Backward" (seen in jax 0.11.2's GPU
+        # program; "bwd" appears only in the op name): dQ, dK, dV, dP and the recomputed scores.
+        matmuls = 5 if "backward" in ins.attrs.lower() or "bwd" in ins.attrs.lower() else 2
         return (matmuls * b * heads * length * length * head_dim, p.flash_cudnn_fraction,
                 "attention")
     if ins.op == "custom-call" and _GEMM_CALL.search(ins.attrs):
