@@ -176,16 +176,16 @@ def outcomes_so_far(log_path: str) -> list[dict]:
   if not os.path.exists(log_path):
     return []
   rows = [json.loads(line) for line in open(log_path, encoding="utf-8") if line.strip()]
-  return [dict(r, outcome={"failed": "error"}.get(r["outcome"], r["outcome"])
-               if r["when"] != "call" and r["outcome"] == "failed" else r["outcome"])
+  # A failure outside the test body (setup, teardown) is an error, as in the JUnit report.
+  return [dict(r, outcome="error") if r["when"] != "call" and r["outcome"] == "failed" else r
           for r in rows]
 
 
 def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
               select: str = "") -> bool:
   """`pytest -m gpu` in a child process (`select`: its -k expression); one line per test from
-  its JUnit report, or, when the phase's budget cut pytest short (no report), from its verbose
-  output so far."""
+  its JUnit report, or, when the phase's budget cut pytest short (no report), from the log of
+  the tests that ended (outcomes_so_far)."""
   junit = os.path.join(out_dir, "junit.xml")
   # Memory on demand: the tests start processes of their own (the CLI) beside this one.
   progress = os.path.join(out_dir, ".tests-progress.jsonl")
@@ -264,7 +264,7 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
                *(f"--{k}={v}" for k, v in run.items()), f"--peak_tflops={peak}",
                f"--batches={BATCHES.get(run['remat'], '2,1')}"]
     if args.artifacts_dir:  # the compiled program of every run, a trace of the phase's first
-      name = "-".join(str(v) for v in run.values() if v)
+      name = artifact_name(run)
       os.makedirs(args.artifacts_dir, exist_ok=True)
       command.append(f"--hlo_out={os.path.join(args.artifacts_dir, name + '.hlo.txt.gz')}")
       if index == 0:
@@ -288,6 +288,11 @@ def run_train(results: Results, args, deadline: float, runs: list[dict]) -> bool
     results.emit(**row)
     ok = ok and row.get("status") == "ok" and (args.rehearse or row.get("platform") == "gpu")
   return ok
+
+
+def artifact_name(run: dict) -> str:
+  """A run's artifacts (`<name>.hlo.txt.gz`, `trace-<name>`): its settings' values, in order."""
+  return "-".join(str(v) for v in run.values() if v)
 
 
 def train_runs(phase: str, args) -> list[dict]:

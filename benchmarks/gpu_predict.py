@@ -40,8 +40,8 @@ def traced_kinds(ms_per_step: dict) -> dict:
 
 
 def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
-  """Seconds per step by kind from the trace's GPU plane (every kernel, not only the top)."""
-  import jax
+  """Seconds per step by kind of every GPU op in the trace (gpu_train.gpu_op_ms)."""
+  from benchmarks import gpu_train
   members = [m for m in tar.getmembers()
              if m.name.startswith(member_prefix) and m.name.endswith(".xplane.pb")]
   if not members:
@@ -49,17 +49,11 @@ def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
   with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as f:
     f.write(tar.extractfile(members[0]).read())
     f.flush()
-    profile = jax.profiler.ProfileData.from_file(f.name)
-  ms = collections.Counter()
-  for plane in profile.planes:
-    if plane.name.startswith("/device:GPU"):
-      for line in plane.lines:
-        for event in line.events:
-          ms[event.name] += event.duration_ns / 1e6 / 2  # two traced steps
-  return traced_kinds(ms)
+    return traced_kinds(gpu_train.gpu_op_ms(f.name)[0])
 
 
 def predict_rows(visit: str) -> list[dict]:
+  from benchmarks import gpu_check
   from sharding.plan import hardware
   from sharding.xla import step_time
   train = [json.loads(line) for line in open(os.path.join(visit, "train.jsonl"))
@@ -70,9 +64,8 @@ def predict_rows(visit: str) -> list[dict]:
   for run in train:
     if run.get("status") != "ok":
       continue
-    key = "-".join(str(v) for v in (run["attention"], run["remat"],
-                                    run.get("fp8") if run.get("fp8") != "none" else "",
-                                    run.get("xla_options")) if v)
+    # The train phase's runs (gpu_check.train_runs): attention x remat.
+    key = gpu_check.artifact_name({"attention": run["attention"], "remat": run["remat"]})
     member = names.get(f"{key}.hlo.txt.gz")
     if member is None:
       continue

@@ -92,31 +92,36 @@ def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, r
   return cfg
 
 
-def trace_ops(trace_dir: str, top: int = 15) -> dict:
-  """Milliseconds per step of the GPU's busiest ops (by name, numbers stripped) in a
-  `jax.profiler` trace of two steps: the XLA op lines of the GPU planes where the trace has
-  them, else every kernel event on them; {} without a GPU plane."""
-  import glob
-  import os
+def gpu_op_ms(xplane_path: str, steps: int = 2) -> tuple[dict, list]:
+  """Milliseconds per step of each GPU op (by name, numbers stripped) in a `jax.profiler` trace
+  of `steps` steps, and the lines read: the XLA op lines of the GPU planes where the trace has
+  them, else every kernel event on them."""
   import re
   import jax
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  if not paths:
-    return {}
   by_name, lines_used = {}, set()
-  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
+  for plane in jax.profiler.ProfileData.from_file(xplane_path).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
     lines = list(plane.lines)
-    ops = [line for line in lines if line.name == "XLA Ops"] or lines
-    for line in ops:
+    for line in [line for line in lines if line.name == "XLA Ops"] or lines:
       lines_used.add(line.name)
       for event in line.events:
         name = re.sub(r"\.\d+$", "", event.name)
-        by_name[name] = by_name.get(name, 0.0) + event.duration_ns / 1e6 / 2
+        by_name[name] = by_name.get(name, 0.0) + event.duration_ns / 1e6 / steps
+  return by_name, sorted(lines_used)
+
+
+def trace_ops(trace_dir: str, top: int = 15) -> dict:
+  """The GPU's busiest ops of the two traced steps (gpu_op_ms); {} without a trace."""
+  import glob
+  import os
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    return {}
+  by_name, lines = gpu_op_ms(paths[-1])
   ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
   return {"ms_per_step": {k: round(v, 3) for k, v in ranked},
-          "total_ms_per_step": round(sum(by_name.values()), 3), "lines": sorted(lines_used)}
+          "total_ms_per_step": round(sum(by_name.values()), 3), "lines": lines}
 
 
 def main(argv=None) -> None:

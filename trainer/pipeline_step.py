@@ -27,7 +27,8 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns
     """The chunk's layers; with MoE layers, their share of the router losses (each a sum over
     the model's layers / their count: the stages' shares add up to the one-device loss)."""
     model = model_of(shared, chunk)
-    x, aux = model.run_layers(x, mb["positions"], loss.attention_segments(mb, cfg.document_mask), present)
+    segments = loss.attention_segments(mb, cfg.document_mask)
+    x, aux = model.run_layers(x, mb["positions"], segments, present)
     none = jnp.zeros((), jnp.float32)
     if not aux:
       return x, none, {}, {}

@@ -136,9 +136,11 @@ def compiler_options(preset_name: str, overrides: dict | None = None,
 @functools.lru_cache(maxsize=1)
 def removed_options() -> frozenset:
   """The presets' options this XLA rejects (a later release removed them): jax 0.11.2 has no
-  xla_gpu_enable_pipelined_all_gather (seen on the lent H200, 2026-11-26). Compiles one trivial
-  program per option, once per process."""
+  xla_gpu_enable_pipelined_all_gather (seen on the lent H200, 2026-11-26). Once per process:
+  one trivial compile with every option, and one per option only when that fails."""
   every = {(o.name, o.value) for p in PRESETS.values() for o in p.options}
+  if not _try(tuple(sorted(every))):
+    return frozenset()
   return frozenset(name for name, value in every if _try(((name, value),)))
 
 
