@@ -182,8 +182,10 @@ def outcomes_so_far(log_path: str) -> list[dict]:
 
 
 def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
-              select: str = "") -> bool:
-  """`pytest -m gpu` in a child process (`select`: its -k expression); one line per test from
+              select: str = "", workers: int = 1) -> bool:
+  """`pytest -m gpu` in a child process (`select`: its -k expression; `workers` > 1: that many
+  pytest-xdist processes sharing the GPU, since each test spends most of its ~25 s compiling on
+  the CPU); one line per test from
   its JUnit report, or, when the phase's budget cut pytest short (no report), from the log of
   the tests that ended (outcomes_so_far)."""
   junit = os.path.join(out_dir, "junit.xml")
@@ -198,7 +200,8 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
   files = sorted(os.path.relpath(p, REPO)
                  for p in glob.glob(os.path.join(REPO, "tests", "test_gpu_*.py")))
   command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", *(["-k", select] if select else []), *files]
+             f"--junitxml={junit}", *(["-k", select] if select else []),
+             *(["-n", str(workers)] if workers > 1 else []), *files]
   cut_short = []
   try:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
@@ -318,7 +321,8 @@ def run_phase(phase: str, args, facts: dict) -> bool:
       from benchmarks import gpu_kernels
       return gpu_kernels.smoke(results.emit, args.rehearse)
     if phase == "tests":
-      return run_tests(results, args.out_dir, args.rehearse, deadline, args.tests_k)
+      return run_tests(results, args.out_dir, args.rehearse, deadline, args.tests_k,
+                       args.tests_workers)
     if phase == "kernels":
       from benchmarks import gpu_kernels
       gpu_kernels.peak(results.emit, args.rehearse)
@@ -341,6 +345,8 @@ def main(argv=None) -> int:
   parser.add_argument("--remat", default="none,selective,full")
   parser.add_argument("--wheels", default="missing", choices=("missing", "pinned", "none"))
   parser.add_argument("--tests_k", default="", help="tests: only those pytest -k selects")
+  parser.add_argument("--tests_workers", type=int, default=1,
+                      help="tests: pytest-xdist processes sharing the GPU (the machine has it)")
   parser.add_argument("--artifacts_dir", default="",
                       help="train/fp8: keep each run's compiled program and a trace of the first")
   parser.add_argument("--rehearse", action="store_true")

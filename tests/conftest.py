@@ -61,7 +61,8 @@ def pytest_runtest_logreport(report):
   """With MESHTRON_GPU_TEST_LOG set (gpu_check's tests phase): one JSON line per test as it
   ends, with its failure message, so a phase its budget cuts short keeps what finished."""
   path = os.environ.get("MESHTRON_GPU_TEST_LOG")
-  if not path or (report.when != "call" and report.outcome == "passed"):
+  # Under pytest-xdist the controller logs every worker's reports: a worker logging too doubles.
+  if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and report.outcome == "passed"):
     return
   message = ""
   if report.outcome != "passed" and report.longrepr is not None:
