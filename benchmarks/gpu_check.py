@@ -1,34 +1,28 @@
 """`make gpu-check`: proves the GPU path on a machine with NVIDIA GPUs and JAX's CUDA plugin
 already installed. Writes one JSON line per result to <out_dir>/<phase>.jsonl (default
 benchmarks/results/gpu/), each with the GPU, driver, jax/jaxlib versions, the commit
-(MESHTRON_COMMIT, since the copy on a GPU machine may have no .git) and the date. Lines are
-written as they are measured, so a phase cut short still keeps what it measured.
+(MESHTRON_COMMIT: a copy on a GPU machine may have no .git) and the date, as it is measured.
 
 Phases, each one command of at most ~8 minutes on one H100 (`all` runs them in order):
   smoke    imports and versions, one flash-attention call, one tiny train step (~2 min): catches
            drift of the machine's jax before anything heavy
-  tests    `pytest -m gpu` (tests/test_gpu_*.py): one line per test with its measured errors;
-           fails if any test failed, was skipped, or none ran
+  tests    `pytest -m gpu` (tests/test_gpu_*.py): a line per test; fails if any failed or skipped
   kernels  matmul peak and copy bandwidth, attention kernels (pallas_flash, cuDNN, xla; seq 2k-16k),
            the jax-triton RMSNorm against XLA's fusion (benchmarks/gpu_kernels.py)
   train    the train step of Llama-3-8B's dimensions, 8 layers, seq 4096: attention cudnn and
            pallas_flash x remat none/selective/full, one process each (benchmarks/gpu_train.py)
   fp8      the same step (cudnn, remat full) in bf16 and with the tensorwise and delayed fp8
            recipes, each under XLA's autotuned GEMMs and with Triton GEMMs off (cuBLASLt fp8)
+  moe      Qwen3-30B-A3B and DeepSeek-V3-like cuts (MOE_CUTS), dropless and dropping dispatch
 
-Before anything is installed or run it checks that there is a GPU (one line and exit 2 if not).
-Then it installs meshtron without touching the installed jax (`pip install --no-deps -e .`) and
-the wheels carried in .whl/ (`make gpu-wheels` downloads them): by default only those whose
-package is missing on the machine; `--wheels=pinned` installs all of them (our pinned flax,
-optax and orbax over the machine's, for when those break).
+It first checks that there is a GPU (one line and exit 2 if not), then installs meshtron without
+touching the installed jax (`pip install --no-deps -e .`) and the wheels carried in .whl/ (`make
+gpu-wheels`): only those whose package is missing there, or all with `--wheels=pinned`.
 
-Usage:
-  make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn']
-  python -m benchmarks.gpu_check --phase {smoke,tests,kernels,train,fp8,all} [--out_dir DIR]
-      [--budget_s 400] [--attention cudnn,pallas_flash] [--remat none,selective,full]
-      [--wheels missing|pinned|none] [--artifacts_dir DIR] [--rehearse]
-`--rehearse` runs the phases on the CPU at tiny sizes: the script's own code path, for the CPU
-suite (tests/test_gpu_check.py), never a GPU result.
+Usage: make gpu-check [PHASE=smoke] [GPU_OUT=DIR] [GPU_CHECK_ARGS='--attention cudnn'], or
+  python -m benchmarks.gpu_check --phase PHASE|all [--out_dir DIR] [--budget_s 400] [--attention
+  cudnn,pallas_flash] [--remat none,selective,full] [--wheels missing|pinned|none] [--rehearse]
+`--rehearse`: the phases on the CPU at tiny sizes (tests/test_gpu_check.py), never a GPU result.
 """
 
 import argparse
@@ -40,6 +34,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,8 +42,10 @@ import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("smoke", "tests", "kernels", "train", "fp8", "moe")
-# The moe phase's runs (issue [24]): (model, layers, routed experts), each dropless and dropping.
+# The moe phase's cuts (issue [24]): (model, layers, routed experts), each dropless and dropping;
+# the first also dropless with XLA's ragged_dot in place of the Pallas grouped matmul (MOE_RUNS).
 MOE_CUTS = (("qwen3_30b_a3b", 4, 0), ("deepseek_v3_like", 4, 32))
+MOE_RUNS = (("dropless", "auto"), ("dropless", "ragged_dot"), ("dropping", "auto"))
 TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
 # The fp8 phase's runs: (fp8 recipe, xla_options); a rehearsal runs the first two.
 FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("delayed", ""),
@@ -56,10 +53,9 @@ FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("dela
 SITE = "/tmp/meshtron-gpu-site"  # where carried wheels are installed (--target), first on the path
 # The train step may use nearly the whole GPU (JAX's default leaves it 75%).
 MEMORY_FRACTION = "0.94"
-# Micro-batches the train phase tries per remat policy, largest first (the first that compiles to
-# fit is measured). From deviceless H100 compiles of the 8-layer model at seq 4096: peak 61.5 GiB
-# at batch 2 without remat (batch 4 cannot fit), 54.7 GiB at batch 4 selective, 45.0 GiB at batch
-# 4 full; 0.94 of an 80 GB H100 is about 74.8 GiB.
+# Micro-batches the train phase tries per remat policy, largest first, the first that fits
+# measured (deviceless H100 compiles at seq 4096: 61.5 GiB at batch 2 without remat, 54.7 GiB at
+# batch 4 selective, 45.0 GiB at batch 4 full; 0.94 of an 80 GB H100 is about 74.8 GiB).
 BATCHES = {"none": "2,1", "selective": "8,4,2,1", "full": "8,4,2,1"}
 
 
@@ -181,20 +177,32 @@ def outcomes_so_far(log_path: str) -> list[dict]:
           for r in rows]
 
 
+def run_as_group(command: list[str], timeout: float, env: dict) -> tuple[str, bool]:
+  """(output, cut) of `command` in a process group that a cut kills whole: xdist workers would
+  otherwise live on with their GPU memory and fail the next phases (as on 2026-11-26)."""
+  proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    return proc.communicate(timeout=timeout)[0], False
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()[0], True
+
+
 def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
               select: str = "", workers: int = 1) -> bool:
-  """`pytest -m gpu` in a child process (`select`: its -k expression; `workers` > 1: that many
-  pytest-xdist processes sharing the GPU, since each test spends most of its ~25 s compiling on
-  the CPU); one line per test from
+  """`pytest -m gpu` in a child process (`select`: its -k expression); one line per test from
   its JUnit report, or, when the phase's budget cut pytest short (no report), from the log of
-  the tests that ended (outcomes_so_far)."""
-  junit = os.path.join(out_dir, "junit.xml")
-  # Memory on demand: the tests start processes of their own (the CLI) beside this one.
-  progress = os.path.join(out_dir, ".tests-progress.jsonl")
+  the tests that ended (outcomes_so_far). `workers` > 1 runs that many pytest-xdist processes
+  sharing the GPU: a test spends most of its ~25 s compiling on the CPU."""
+  junit, progress = (os.path.join(out_dir, n) for n in ("junit.xml", ".tests-progress.jsonl"))
   if os.path.exists(progress):
     os.remove(progress)
+  # Memory on demand: the tests start processes (the CLI) beside this one. xdist workers hand
+  # freed memory back (JAX's pool keeps its high-water mark: two tests ran out on 2026-11-26).
   env = dict(os.environ, MESHTRON_GPU_TESTS="rehearse" if rehearse else "gpu",
-             XLA_PYTHON_CLIENT_PREALLOCATE="false", MESHTRON_GPU_TEST_LOG=progress)
+             XLA_PYTHON_CLIENT_PREALLOCATE="false", MESHTRON_GPU_TEST_LOG=progress,
+             **({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if workers > 1 else {}))
   # The gpu tests live in tests/test_gpu_*.py (tests/test_gpu_check.py checks that): collecting
   # only those keeps the CPU suite's imports (notebooks, MaxText peers) off the GPU machine.
   files = sorted(os.path.relpath(p, REPO)
@@ -203,13 +211,10 @@ def run_tests(results: Results, out_dir: str, rehearse: bool, deadline: float,
              f"--junitxml={junit}", *(["-k", select] if select else []),
              *(["-n", str(workers)] if workers > 1 else []), *files]
   cut_short = []
-  try:
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=max(60.0, deadline - time.monotonic()))
-    tail = (proc.stdout + proc.stderr)[-4000:]
-  except subprocess.TimeoutExpired as e:
-    text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
-    tail = f"pytest ran past the phase's time budget\n{text[-3000:]}"
+  output, timed_out = run_as_group(command, max(60.0, deadline - time.monotonic()), env=env)
+  tail = output[-4000:]
+  if timed_out:
+    tail = f"pytest ran past the phase's time budget\n{output[-3000:]}"
     cut_short = outcomes_so_far(progress)
   print(tail, flush=True)
   counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
@@ -306,8 +311,10 @@ def train_runs(phase: str, args) -> list[dict]:
             for r in args.remat.split(",")]
   if phase == "moe":
     return [dict(attention=args.attention.split(",")[0], remat="selective", model=name,
-                 layers=layers, experts=experts, dispatch=dispatch)
-            for name, layers, experts in MOE_CUTS for dispatch in ("dropless", "dropping")]
+                 layers=layers, experts=experts, dispatch=dispatch,
+                 **({"grouped_matmul": kernel} if kernel != "auto" else {}))
+            for i, (name, layers, experts) in enumerate(MOE_CUTS)
+            for dispatch, kernel in MOE_RUNS if i == 0 or kernel == "auto"]
   runs = FP8_RUNS[:2] if args.rehearse else FP8_RUNS
   return [dict(attention=args.attention.split(",")[0], remat="full", fp8=fp8, xla_options=x)
           for fp8, x in runs]

@@ -1,14 +1,14 @@
-"""The `predict` phase, scored here without a GPU: the step predicted from each train-phase
-program as XLA compiled it on the GPU itself (same jax), beside the step measured there.
+"""The `predict` phase, scored here without a GPU: the step predicted from each train, fp8 and
+moe program as XLA compiled it on the GPU itself (same jax), beside the step measured there.
 
-Reads a GPU visit's train lines (train.jsonl: each carries the prediction made there, by the
+Reads a GPU visit's lines (train/fp8/moe.jsonl: each carries the prediction made there, by the
 predictor of that commit) and its artifacts.tgz (benchmarks/gpu_visit.sh: every run's compiled
-program `<attention>-<remat>.hlo.txt.gz`, and a `jax.profiler` trace of the first run). Writes one
+program `<settings>.hlo.txt.gz`, and a `jax.profiler` trace of each phase's first run). Writes one
 line per configuration to predict.jsonl: measured, predicted at the visit, predicted now (this
 checkout's sharding/xla/step_time.py, the GPU profile unchanged), and the prediction's seconds by
 kind (gemm, attention, memory) beside the traced kernels' seconds by the same kinds.
 
-  python -m benchmarks.gpu_predict --visit benchmarks/results/gpu/visits/2026-11-26b \
+  python -m benchmarks.gpu_predict --visit benchmarks/results/gpu/visits/2026-11-26{e,d} \
       [--out benchmarks/results/gpu/predict.jsonl]
 """
 
@@ -52,50 +52,65 @@ def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
     return traced_kinds(gpu_train.gpu_op_ms(f.name)[0])
 
 
+def run_settings(phase: str, row: dict) -> dict:
+  """The gpu_check run (gpu_check.train_runs) that measured `row`: its artifacts' name."""
+  settings = {"attention": row["attention"], "remat": row["remat"]}
+  if phase == "fp8":
+    settings.update(fp8=row["fp8"], xla_options=row["xla_options"])
+  if phase == "moe":
+    settings.update(model=row["model"].removesuffix("_dims"), layers=row["layers"],
+                    experts=row["experts"], dispatch=row["dispatch"])
+    if row.get("grouped_matmul", "auto") != "auto":
+      settings["grouped_matmul"] = row["grouped_matmul"]
+  return settings
+
+
 def predict_rows(visit: str) -> list[dict]:
+  """One line per measured run of the visit's train, fp8 and moe phases whose compiled program
+  is in its artifacts.tgz."""
   from benchmarks import gpu_check
   from sharding.plan import hardware
   from sharding.xla import step_time
-  train = [json.loads(line) for line in open(os.path.join(visit, "train.jsonl"))
-           if line.strip()]
   tar = tarfile.open(os.path.join(visit, "artifacts.tgz"))
   names = {os.path.basename(m.name): m for m in tar.getmembers()}
   out = []
-  for run in train:
-    if run.get("status") != "ok":
-      continue
-    # The train phase's runs (gpu_check.train_runs): attention x remat.
-    key = gpu_check.artifact_name({"attention": run["attention"], "remat": run["remat"]})
-    member = names.get(f"{key}.hlo.txt.gz")
-    if member is None:
-      continue
-    text = gzip.open(io.BytesIO(tar.extractfile(member).read()), "rt").read()
-    profile = hardware.profile_of_device(run["device"])
-    now = step_time.predict(text, profile, top=10**6)
-    kinds = collections.Counter()
-    for op in now.top_ops:
-      kinds[op["kind"]] += op["total_s"]
-    traced = trace_seconds_by_kind(tar, f"./trace-{key}") or None
-    out.append({
-        "benchmark": "predict", "attention": run["attention"], "remat": run["remat"],
-        "batch": run["batch"], "device": run["device"], "profile": profile.name,
-        "measured_step_s": run["step_s"], "predicted_at_visit_s": run.get("predicted_step_s"),
-        "predicted_now_s": round(now.step_s, 5),
-        "at_visit_over_measured": run.get("predicted_over_measured"),
-        "now_over_measured": round(now.step_s / run["step_s"], 3),
-        "predicted_by_kind_s": {k: round(v, 4) for k, v in kinds.items()},
-        "traced_by_kind_s": traced, "visit_commit": run["commit"], "jax": run["jax"]})
+  for phase in ("train", "fp8", "moe"):
+    path = os.path.join(visit, f"{phase}.jsonl")
+    runs = [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+    for run in runs:
+      settings = run_settings(phase, run) if run.get("status") == "ok" else None
+      key = settings and gpu_check.artifact_name(settings)
+      member = names.get(f"{key}.hlo.txt.gz")
+      if member is None:
+        continue
+      text = gzip.open(io.BytesIO(tar.extractfile(member).read()), "rt").read()
+      profile = hardware.profile_of_device(run["device"])
+      now = step_time.predict(text, profile, top=10**6)
+      kinds = collections.Counter()
+      for op in now.top_ops:
+        kinds[op["kind"]] += op["total_s"]
+      traced = trace_seconds_by_kind(tar, f"./trace-{key}/") or None
+      out.append({
+          "benchmark": "predict", "phase": phase, **settings, "batch": run["batch"],
+          "device": run["device"], "profile": profile.name, "measured_step_s": run["step_s"],
+          "predicted_at_visit_s": run.get("predicted_step_s"),
+          "predicted_now_s": round(now.step_s, 5),
+          "at_visit_over_measured": run.get("predicted_over_measured"),
+          "now_over_measured": round(now.step_s / run["step_s"], 3),
+          "predicted_by_kind_s": {k: round(v, 4) for k, v in kinds.items()},
+          "traced_by_kind_s": traced, "visit_commit": run["commit"], "jax": run["jax"]})
   return out
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--visit", required=True, help="a folder with train.jsonl, artifacts.tgz")
+  parser.add_argument("--visit", required=True, nargs="+",
+                      help="folders, each with artifacts.tgz and train/fp8/moe.jsonl")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu",
                                                     "predict.jsonl"))
   args = parser.parse_args(argv)
-  rows = predict_rows(args.visit)
+  rows = [row for visit in args.visit for row in predict_rows(visit)]
   with open(args.out, "w", encoding="utf-8") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")

@@ -38,13 +38,16 @@ from benchmarks import train_step
 MOE_MODELS = ("qwen3_30b_a3b", "deepseek_v3_like")
 
 
-def moe_model(name: str, layers: int, experts: int, dispatch: str, rehearse: bool):
+def moe_model(name: str, layers: int, experts: int, dispatch: str, rehearse: bool,
+              grouped_matmul: str = "auto"):
   """A MoE preset cut to `layers` layers (its leading dense layers kept, as many as fit) and
-  `experts` routed experts (0: all; expert groups keep their count), top-k and widths kept."""
+  `experts` routed experts (0: all; expert groups keep their count), top-k and widths kept;
+  `grouped_matmul`: the dropless experts' kernel (auto: the Pallas kernel on GPUs)."""
   from configs import moe
   model = moe.model(name)
   routing = dict(num_experts=experts or model.moe.num_experts, dispatch=dispatch,
-                 first_dense_layers=min(model.moe.first_dense_layers, layers - 1))
+                 first_dense_layers=min(model.moe.first_dense_layers, layers - 1),
+                 grouped_matmul=grouped_matmul)
   if rehearse:  # the same routing at a size the CPU runs in seconds
     model = dataclasses.replace(model, vocab_size=512, embed_dim=128, num_heads=4,
                                 num_kv_heads=2, head_dim=32, mlp_dim=256)
@@ -61,18 +64,19 @@ def cut_name(model) -> str:
     return f"{model.num_layers} layers"
   m = model.moe
   return (f"{model.num_layers} layers ({model.dense_layers()} dense + {model.moe_layers()} MoE),"
-          f" {m.num_experts} experts top-{m.experts_per_token}, {m.dispatch}")
+          f" {m.num_experts} experts top-{m.experts_per_token}, {m.dispatch}"
+          + (f" ({m.grouped_matmul} grouped matmul)" if m.grouped_matmul != "auto" else ""))
 
 
 def make_config(attention: str, remat: str, batch: int, seq: int, layers: int, rehearse: bool,
                 fp8: str = "none", xla_options: str = "", model_name: str = "llama3_8b",
-                experts: int = 0, dispatch: str = "dropless"):
+                experts: int = 0, dispatch: str = "dropless", grouped_matmul: str = "auto"):
   from configs import llama
   from models.fp8.config import Fp8Config
   from trainer.config import DataConfig
   cfg = llama.debug()
   if model_name in MOE_MODELS:
-    model = moe_model(model_name, layers, experts, dispatch, rehearse)
+    model = moe_model(model_name, layers, experts, dispatch, rehearse, grouped_matmul)
   else:
     model = llama.model(model_name)
   if rehearse and model.moe is None:  # the same family at a size the CPU runs in seconds
@@ -143,6 +147,8 @@ def main(argv=None) -> None:
                       help=f"llama3_8b, or a MoE cut: {', '.join(MOE_MODELS)}")
   parser.add_argument("--experts", type=int, default=0, help="MoE: routed experts (0: all)")
   parser.add_argument("--dispatch", default="dropless", help="MoE: dropless | dropping")
+  parser.add_argument("--grouped_matmul", default="auto",
+                      help="MoE, dropless: auto | pallas | ragged_dot (MoEConfig.grouped_matmul)")
   parser.add_argument("--hlo_out", default="", help="keep the compiled program here (.txt.gz)")
   parser.add_argument("--trace_dir", default="",
                       help="trace two steps after the timed ones; their GPU ops by time")
@@ -158,11 +164,13 @@ def main(argv=None) -> None:
                 attention=args.attention, remat=args.remat, seq=args.seq, dtype="bfloat16",
                 fp8=args.fp8, xla_options=args.xla_options)
   if args.model in MOE_MODELS:
-    fields.update(experts=args.experts, dispatch=args.dispatch)
+    fields.update(experts=args.experts, dispatch=args.dispatch,
+                  grouped_matmul=args.grouped_matmul)
   tried = []
   for batch in map(int, args.batches.split(",")):
     cfg = make_config(args.attention, args.remat, batch, args.seq, args.layers, args.rehearse,
-                      args.fp8, args.xla_options, args.model, args.experts, args.dispatch)
+                      args.fp8, args.xla_options, args.model, args.experts, args.dispatch,
+                      args.grouped_matmul)
     fields["cut"] = cut_name(cfg.model)
     try:
       result = train_step.measure(cfg, [device], steps=args.steps, warmup=args.warmup,

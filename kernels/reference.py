@@ -70,4 +70,7 @@ def rmsnorm_residual(x_ND, residual_ND, scale_D, eps: float):
   h = (x_ND.astype(jnp.float32) + residual_ND.astype(jnp.float32)).astype(x_ND.dtype)
   h32 = h.astype(jnp.float32)
   y = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
-  return (y * scale_D.astype(jnp.float32)).astype(x_ND.dtype), h
+  # The scale broadcast is spelled out: the tests (and careful users) run with rank promotion
+  # set to "raise", where an implicit [N, D] x [D] product is an error.
+  scale = scale_D.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + scale_D.shape)
+  return (y * scale).astype(x_ND.dtype), h

@@ -136,12 +136,13 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
   moe = getattr(model, "moe", None)
   grouped = getattr(moe, "grouped_matmul", "auto")
   exchange = getattr(moe, "exchange", "auto")
+  dtype = getattr(model, "dtype", "bfloat16")  # the compute dtype: cuDNN attends in 16 bits
   return dataclasses.replace(
       layout, platform=platform,
-      attention=resolve_attention(settings.attention_impl, platform),
+      attention=resolve_attention(settings.attention_impl, platform, dtype),
       # The same inside a pipeline stage: the flash kernel's shard_map nests in the stage's
       # (sharding/shard_map.py stage_shard_map).
-      stage_attention=resolve_attention(settings.attention_impl, platform),
+      stage_attention=resolve_attention(settings.attention_impl, platform, dtype),
       context_impl=settings.context_impl, ulysses_degree=settings.ulysses_degree,
       load_balanced=load_balanced(getattr(model, "sliding_window", 0), settings.context_impl),
       sequence_parts_apart=getattr(moe, "dispatch", "dropless") != "dropping",

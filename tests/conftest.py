@@ -42,7 +42,11 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+XDIST_WORKER = []  # set by pytest_configure: whether this process is a pytest-xdist worker
+
+
 def pytest_configure(config):
+  XDIST_WORKER.append(hasattr(config, "workerinput"))
   config.addinivalue_line("markers", "gpu: runs on an NVIDIA GPU (`make gpu-check`); skipped, with"
                                      " the reason shown, everywhere else")
 
@@ -62,7 +66,9 @@ def pytest_runtest_logreport(report):
   ends, with its failure message, so a phase its budget cuts short keeps what finished."""
   path = os.environ.get("MESHTRON_GPU_TEST_LOG")
   # Under pytest-xdist the controller logs every worker's reports: a worker logging too doubles.
-  if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and report.outcome == "passed"):
+  # (This process's config says whether it is a worker; the environment may be inherited.)
+  worker = XDIST_WORKER and XDIST_WORKER[-1]
+  if not path or worker or (report.when != "call" and report.outcome == "passed"):
     return
   message = ""
   if report.outcome != "passed" and report.longrepr is not None:

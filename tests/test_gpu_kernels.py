@@ -175,6 +175,16 @@ def test_cudnn_attention_equals_the_reference(gpu, record_property, packed):
                           record_property, f"cudnn{packed}")
 
 
+def test_auto_attention_is_cudnn_on_this_gpu(gpu):
+  """What a bf16 run's `attention_impl=auto` resolves to here: cuDNN, measured faster than
+  pallas_flash on the H200 (kernels.attention.resolve); float32 keeps pallas_flash."""
+  gpu.needs_gpu("cuDNN attention")
+  compute = ComputeConfig(attention_impl="auto")
+  assert local_layout(dataclasses.replace(BASE, dtype="bfloat16"), compute).attention == "cudnn"
+  assert local_layout(dataclasses.replace(BASE, dtype="float32"), compute).attention == \
+      "pallas_flash"
+
+
 def test_cudnn_attention_with_a_sliding_window_equals_the_reference(gpu, record_property):
   """What model.sliding_window runs with attention_impl=cudnn: cuDNN's local window (bf16,
   causal, GQA 4), a 1024-token window over 8192 tokens, forward and backward."""

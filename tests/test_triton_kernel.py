@@ -35,6 +35,7 @@ INTERPRET = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from kernels import reference, triton_rmsnorm
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py sets it
 
 class HostTensor:
   def __init__(self, array, dtype_name):
