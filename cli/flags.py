@@ -2,6 +2,7 @@
 that turn a bad command line into one line on stderr (cli/console.py) before anything runs."""
 
 import dataclasses
+import os
 import textwrap
 
 from absl import flags
@@ -21,11 +22,12 @@ VERBS = {
 VERB_FLAGS = {
     "train": ("config", "workdir", "cpu_devices", "dry_run", "show_config", "coordinator",
               "num_processes", "process_id"),
-    "compile": ("config", "target", "hlo", "timeline", "json", "cpu_devices", "show_config"),
+    "compile": ("config", "target", "hlo", "timeline", "json", "cpu_devices", "show_config",
+                "overwrite"),
     "memory": ("model", "layout", "gpu", "seq", "precision", "plot", "json", "config", "gpus",
-               "show_config"),
+               "show_config", "overwrite"),
     "plan": ("model", "gpu", "nodes", "gpus_per_node", "gpus", "seq", "global_batch_tokens",
-             "precision", "top_k", "compile_top", "out", "json"),
+             "precision", "top_k", "compile_top", "out", "json", "overwrite"),
     "convert": ("from", "to", "model_dir", "workdir", "out", "overwrite"),
 }
 
@@ -80,7 +82,27 @@ FROM = flags.DEFINE_enum("from", "", ["", "hf"], "convert: source format (hf: --
 TO = flags.DEFINE_enum("to", "", ["", "hf"], "convert: target format (source: --workdir)")
 MODEL_DIR = flags.DEFINE_string("model_dir", "", "convert: a Hugging Face model directory")
 OVERWRITE = flags.DEFINE_bool("overwrite", False, "convert: write into a non-empty --out or"
-                              " workdir export directory")
+                              " workdir export directory; compile, memory, plan: replace an"
+                              " existing --hlo, --plot or --out file")
+# The files a verb writes where a flag says (convert's --out is a directory: convert checks it).
+OUTPUT_FILES = {"compile": ("hlo",), "memory": ("plot",), "plan": ("out",)}
+
+
+def check_output_files(verb: str) -> None:
+  """Each file `verb` was asked to write: its directory exists, and the file does not unless
+  --overwrite. Checked before any work, so a refusal costs nothing and changes nothing."""
+  for name in OUTPUT_FILES.get(verb, ()):
+    path = flags.FLAGS[name].value
+    if not path:
+      continue
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+      raise ValueError(f"--{name}={path}: the directory {folder} does not exist; create it"
+                       " first")
+    if os.path.isdir(path):
+      raise ValueError(f"--{name}={path} is a directory; name a file in it")
+    if os.path.exists(path) and not OVERWRITE.value:
+      raise ValueError(f"--{name}={path} exists; pass --overwrite to replace it")
 
 
 # How the model is computed (TrainConfig.compute), once ModelConfig fields.

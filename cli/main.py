@@ -16,7 +16,7 @@ import sys
 
 from absl import app, flags as absl_flags
 
-from cli import console, flags
+from cli import bug_report, console, flags
 from cli.console import fail
 from trainer.process import host_memory
 
@@ -66,7 +66,23 @@ def run() -> None:
         " --config.a.b=value", parse_fn=configs.get)
   except KeyError as e:
     fail(f"unknown config key: {e.args[0]}")
-  app.run(_dispatch, argv=[f"meshtron {verb}"] + argv[2:], flags_parser=flags.parse)
+  try:
+    app.run(_dispatch, argv=[f"meshtron {verb}"] + argv[2:], flags_parser=flags.parse)
+  except Exception as e:  # noqa: BLE001  (what no one-line refusal caught is a bug: reported)
+    refuse_or_report(e)
+
+
+def refuse_or_report(error: Exception, refusals: tuple = (ValueError,)) -> None:
+  """Ends the command with one line: a refusal's own (bad input, a training stop), or, for
+  anything else, that it is a bug and where its report (traceback, config) was written."""
+  if bug_report.is_refusal(error, refusals):
+    fail(str(error).splitlines()[0])
+  try:
+    config = CONFIG.value
+  except Exception:  # noqa: BLE001  (not parsed: the report says so)
+    config = None
+  workdir = flags.WORKDIR.value if flags.WORKDIR.present else ""  # the run's, when named
+  fail(bug_report.summary(error, bug_report.write(error, config, workdir)))
 
 
 def _dispatch(argv: list[str]) -> None:
@@ -79,6 +95,10 @@ def _dispatch(argv: list[str]) -> None:
     from trainer.config import describe_fields
     print("\n".join(describe_fields(CONFIG.value)))
     return
+  try:
+    flags.check_output_files(verb)
+  except ValueError as e:
+    refuse_or_report(e)
   if verb in ("memory", "plan"):  # analytic: no devices, no compile
     try:
       with console.native_noise_filtered():
@@ -87,11 +107,11 @@ def _dispatch(argv: list[str]) -> None:
         return memory.run(CONFIG.value, any(a.startswith("--config") for a in sys.argv))
       return plan.run()
     except ValueError as e:
-      fail(str(e).splitlines()[0])
+      refuse_or_report(e)
   try:
     CONFIG.value.validate()  # every setting in range, every path present: before JAX starts
   except ValueError as e:
-    fail(str(e).splitlines()[0])
+    refuse_or_report(e)
   import jax
   if flags.CPU_DEVICES.value:  # must precede any JAX backend use
     jax.config.update("jax_platforms", "cpu")
@@ -108,7 +128,7 @@ def _dispatch(argv: list[str]) -> None:
       jax.devices()
     distributed.exit_hard_on_error(verbs[verb], CONFIG.value)
   except (ValueError, loop.TrainingError) as e:  # bad input, or a stop such as a NaN loss
-    fail(str(e).splitlines()[0])
+    refuse_or_report(e, (ValueError, loop.TrainingError))
 
 
 if __name__ == "__main__":

@@ -121,6 +121,13 @@ def cases(tmp):
                              f"--out={tmp / 'out'}"], "holds no config.json"),
       ("convert overwrite", ["convert", "--to=hf", f"--workdir={tmp}", f"--out={tmp / 'full'}"],
        "is not empty"),
+      ("plan --out exists", ["plan", "--model=llama3_8b", f"--out={tmp / 'full' / 'config.json'}"],
+       "exists; pass --overwrite to replace it"),
+      ("memory --plot folder", ["memory", "--model=llama3_8b", "--layout=dp=8",
+                                f"--plot={tmp / 'nowhere' / 'memory.png'}"], "does not exist"),
+      ("compile --hlo exists", ["compile", f"--hlo={tmp / 'full' / 'config.json'}"],
+       "exists; pass --overwrite to replace it"),
+      ("compile --hlo folder", ["compile", f"--hlo={tmp / 'full'}"], "is a directory"),
       ("unknown verb", ["fly"], "usage: meshtron"),
       ("coordinator", ["train", "--coordinator=nohost", "--num_processes=2", "--process_id=0"],
        "--coordinator='nohost' must be host:port"),
@@ -194,6 +201,41 @@ def test_show_config_prints_every_field_with_overrides_applied(capfd):
   lines = capfd.readouterr().out.splitlines()
   assert "model.moe.num_experts: int = 6" in lines and "steps: int = 500" in lines
   assert len(lines) > 80  # every leaf field, nested ones included
+
+
+def test_overwrite_lets_plan_replace_its_out_file(tmp_path, run_cli):
+  """The control of the refusals above: with --overwrite, plan replaces the file it was asked
+  to write."""
+  out = tmp_path / "best.py"
+  out.write_text("# an older plan")
+  code, lines, _ = run_cli("plan", "--model=llama3_8b", "--gpus=8", f"--out={out}",
+                           "--overwrite")
+  assert code in (0, None), lines
+  assert out.read_text() != "# an older plan"
+
+
+@pytest.mark.parametrize("internal", [
+    lambda cfg: {}["a key that is not there"],  # a KeyError in meshtron's own code
+    lambda cfg: json.loads("{"),  # a ValueError raised outside meshtron (as JAX's verifier's)
+])
+def test_an_internal_error_is_one_line_naming_a_bug_and_its_report(tmp_path, run_cli,
+                                                                    monkeypatch, internal):
+  """What no one-line refusal catches is a bug: one line that says so, and a report file in the
+  workdir with the whole traceback, the command and the resolved config; nothing else on disk
+  changes."""
+  from cli import train
+  monkeypatch.setattr(train, "run", internal)
+  before = snapshot(tmp_path)
+  code, lines, _ = run_cli("train", f"--workdir={tmp_path}", "--config.steps=2",
+                           "--config.model.num_layers=1")
+  assert code == 1 and len(lines) == 1, lines
+  assert "internal error, a bug in meshtron" in lines[0], lines
+  path = lines[0].split("the traceback and config are in ")[1].split(" (please")[0]
+  assert os.path.dirname(path) == str(tmp_path)
+  report = open(path, encoding="utf-8").read()
+  assert "Traceback (most recent call last)" in report and "meshtron train" in report
+  assert '"num_layers": 1' in report and f"--workdir={tmp_path}" in report
+  assert set(snapshot(tmp_path)) - set(before) == {os.path.basename(path)}
 
 
 def test_a_second_trainer_on_a_workdir_fails_at_once_naming_the_holder(tmp_path, run_cli):
