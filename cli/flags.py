@@ -35,7 +35,9 @@ VERB_FLAGS = {
 WORKDIR = flags.DEFINE_string("workdir", "runs/default", "train: where metrics, plots and"
                               " samples go; convert --to=hf: the run (or --from=hf output) to"
                               " export")
-CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate N CPU devices (0: JAX's default)")
+CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate N CPU devices (0: JAX's default;"
+                                   " at most 1024: each holds its own buffers)", lower_bound=0,
+                                   upper_bound=1024)
 JSON = flags.DEFINE_bool("json", False, "compile/memory/plan: print JSON")
 SHOW_CONFIG = flags.DEFINE_bool("show_config", False, "print every config field with its type and"
                                 " value (overrides applied), then exit")
@@ -57,7 +59,7 @@ TIMELINE = flags.DEFINE_bool("timeline", False, "compile: print the scheduled or
 MODEL = flags.DEFINE_string("model", "", "memory/plan: model preset (e.g. llama3_70b,"
                             " playbook_8b, mixtral_8x7b); memory without it reads --config")
 GPU = flags.DEFINE_string("gpu", "h100", "memory/plan: h100, h200, a100, b200 or a profile .json")
-SEQ = flags.DEFINE_integer("seq", 4096, "memory/plan: sequence length")
+SEQ = flags.DEFINE_integer("seq", 4096, "memory/plan: sequence length", lower_bound=1)
 LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. data=4,tensor=2,pipeline=2,zero=1,mbs=4,"
                              "ga=16,remat=selective,sp=1,schedule=1f1b (also fsdp=, context=,"
                              " expert=, vpp=; aliases dp=, tp=, pp=, cp=, ep=)")
@@ -66,12 +68,12 @@ PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook 
                                 " (what trainer/ stores today: fp32 params, grads and moments)")
 PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
 GPUS = flags.DEFINE_integer("gpus", 0, "plan: number of GPUs (default nodes x gpus_per_node);"
-                            " memory --config: devices the mesh fills")
-NODES = flags.DEFINE_integer("nodes", 1, "plan: number of nodes")
+                            " memory --config: devices the mesh fills", lower_bound=0)
+NODES = flags.DEFINE_integer("nodes", 1, "plan: number of nodes", lower_bound=1)
 GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "plan: GPUs per node (default: the"
-                                     " profile's, 8)")
+                                     " profile's, 8)", lower_bound=0)
 BATCH = flags.DEFINE_string("global_batch_tokens", "1M", "plan: tokens per step (1M = 2**20)")
-TOP = flags.DEFINE_integer("top_k", 10, "plan: layouts to print")
+TOP = flags.DEFINE_integer("top_k", 10, "plan: layouts to print", lower_bound=1)
 COMPILE_TOP = flags.DEFINE_integer(
     "compile_top", 0, "plan: compile the best K layouts for the cluster without a GPU (h100/h200,"
     " 2 at a time) and rank them again by the step predicted from each program")
@@ -90,7 +92,10 @@ OUTPUT_FILES = {"compile": ("hlo",), "memory": ("plot",), "plan": ("out",)}
 
 def check_output_files(verb: str) -> None:
   """Each file `verb` was asked to write: its directory exists, and the file does not unless
-  --overwrite. Checked before any work, so a refusal costs nothing and changes nothing."""
+  --overwrite; train's --workdir is not empty (it would write into the current directory).
+  Checked before any work, so a refusal costs nothing and changes nothing."""
+  if verb == "train" and not WORKDIR.value.strip():
+    raise ValueError("--workdir is empty; name the run's directory (default runs/default)")
   for name in OUTPUT_FILES.get(verb, ()):
     path = flags.FLAGS[name].value
     if not path:

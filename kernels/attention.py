@@ -40,6 +40,17 @@ def resolve(impl: str, platform: str, dtype="bfloat16") -> str:
   return "cudnn" if platform != "rocm" and sixteen_bit and cudnn_available() else "pallas_flash"
 
 
+def check_runs(impl: str, platform: str) -> None:
+  """Refuses, before anything compiles, an attention `impl` that cannot run on `platform`:
+  cuDNN's needs an NVIDIA GPU and the cuDNN library (a deviceless compile here has neither)."""
+  if impl == "cudnn" and (platform not in ("gpu", "cuda") or not cudnn_available()):
+    where = ("a deviceless GPU compile, without the cuDNN library" if platform in GPU_PLATFORMS
+             else f"{platform} devices")
+    raise ValueError(f"compute.attention_impl=cudnn runs only on NVIDIA GPUs with cuDNN, not"
+                     f" on {where}; use attention_impl=auto (cuDNN where it can run) or"
+                     " pallas_flash")
+
+
 def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xla",
               window: int = 0):
   """Causal/packed grouped-query attention.

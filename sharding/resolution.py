@@ -9,7 +9,7 @@ import types
 
 import jax
 
-from kernels.attention import resolve as resolve_attention
+from kernels.attention import check_runs as check_attention, resolve as resolve_attention
 from sharding.context_parallel import load_balanced, ulysses_degree
 from sharding.layout import MESH_SWITCHES, Layout
 from sharding.mesh import BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
@@ -137,6 +137,7 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
   grouped = getattr(moe, "grouped_matmul", "auto")
   exchange = getattr(moe, "exchange", "auto")
   dtype = getattr(model, "dtype", "bfloat16")  # the compute dtype: cuDNN attends in 16 bits
+  check_attention(settings.attention_impl, platform)
   return dataclasses.replace(
       layout, platform=platform,
       attention=resolve_attention(settings.attention_impl, platform, dtype),
