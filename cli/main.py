@@ -72,6 +72,24 @@ def run() -> None:
     refuse_or_report(e)
 
 
+def start_backends(jax) -> None:
+  """Starts JAX's backends, or ends with one line when none can start (JAX_PLATFORMS=cuda on a
+  machine without a usable GPU: JAX logs the plugin's traceback, then asserts)."""
+  bridge = pylogging.getLogger("jax._src.xla_bridge")
+  level = bridge.level
+  bridge.setLevel(pylogging.CRITICAL)  # its plugin tracebacks: the line below says it
+  try:
+    with console.native_noise_filtered():  # the backends start here
+      jax.devices()
+  except (RuntimeError, AssertionError) as e:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else "no backend initialized"
+    fail(f"JAX could not start the devices JAX_PLATFORMS={platforms or '(unset)'} asks for"
+         f" ({cause}); unset JAX_PLATFORMS or set it to cpu, or fix the GPU's drivers")
+  finally:
+    bridge.setLevel(level)
+
+
 def refuse_or_report(error: Exception, refusals: tuple = (ValueError,)) -> None:
   """Ends the command with one line: a refusal's own (bad input, a training stop), or, for
   anything else, that it is a bug and where its report (traceback, config) was written."""
@@ -124,8 +142,7 @@ def _dispatch(argv: list[str]) -> None:
   try:
     distributed.initialize(CONFIG.value.distributed, flags.COORDINATOR.value,
                            flags.NUM_PROCESSES.value, flags.PROCESS_ID.value)
-    with console.native_noise_filtered():  # the backends start here
-      jax.devices()
+    start_backends(jax)
     distributed.exit_hard_on_error(verbs[verb], CONFIG.value)
   except (ValueError, loop.TrainingError) as e:  # bad input, or a stop such as a NaN loss
     refuse_or_report(e, (ValueError, loop.TrainingError))

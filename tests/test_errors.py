@@ -175,14 +175,18 @@ def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_pa
   assert code in (0, None) and compiles and (tmp_path / "ok" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["train", "--config.model.nope=3"], "unknown config key"),
-    (["train", "--cpu_devices=2", "--config.mesh.data=4"], "2 are available"),
+@pytest.mark.parametrize("argv, fragment, platforms", [
+    (["train", "--config.model.nope=3"], "unknown config key", None),
+    (["train", "--cpu_devices=2", "--config.mesh.data=4"], "2 are available", None),
+    (["train"], "JAX could not start the devices JAX_PLATFORMS=cuda asks for", "cuda"),
 ])
-def test_a_fresh_process_prints_only_the_error(tmp_path, argv, fragment):
+def test_a_fresh_process_prints_only_the_error(tmp_path, argv, fragment, platforms):
   """The console script in its own process: JAX's start-up lines on a machine without a GPU
-  (the CUDA plugin's "Could not find cuda drivers") do not reach the terminal."""
+  (the CUDA plugin's "Could not find cuda drivers") do not reach the terminal, nor, when
+  JAX_PLATFORMS asks for a GPU this machine lacks, the plugin's traceback."""
   env = {k: v for k, v in environment().items() if k != "JAX_PLATFORMS"}  # as a user runs it
+  if platforms:
+    env["JAX_PLATFORMS"] = platforms
   proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "meshtron"), *argv,
                          f"--workdir={tmp_path}"], capture_output=True, text=True, env=env,
                         cwd=REPO, timeout=300)
