@@ -188,6 +188,16 @@ class ModelConfig:
     for name in positive:
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    # Checked here, before compiling: a zero theta or factor would only show as NaN losses.
+    for name in ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_original_max_len",
+                 "embed_init_std"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.rope_scaling_factor != 1 and not (
+        0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+      raise ValueError(f"with model.rope_scaling_factor={self.rope_scaling_factor}, Llama-3's"
+                       " scaling needs 0 < model.rope_low_freq_factor < rope_high_freq_factor,"
+                       f" got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of"
                        f" model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
