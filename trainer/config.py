@@ -211,6 +211,7 @@ class TrainConfig:
       raise ValueError("init_from=hf:... loads no multi-token prediction weights (the Hugging Face"
                        " formats here hold none): set model.mtp_depth=0, or train from scratch")
     config_checks.check_paths(self)
+    config_checks.check_signals(self)
     presets.resolve(self.xla_preset)  # names the known presets if not one of them
 
   def step(self) -> StepConfig:

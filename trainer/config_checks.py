@@ -4,6 +4,7 @@
 import dataclasses
 import glob
 import os
+import signal
 
 INF = float("inf")
 
@@ -83,3 +84,15 @@ def check_paths(cfg) -> None:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
       raise ValueError(f"init_from={cfg.init_from!r}: {model_dir} holds no config.json (a Hugging"
                        " Face model directory)")
+
+
+def check_signals(cfg) -> None:
+  """ValueError naming the first of checkpoint.preemption_signals that is not a signal a
+  process can catch (SIGKILL and SIGSTOP cannot be): before compiling, not when the loop
+  installs its handlers."""
+  for name in filter(None, (n.strip() for n in cfg.checkpoint.preemption_signals.split(","))):
+    if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL",
+                                                                                "SIGSTOP"):
+      raise ValueError(f"checkpoint.preemption_signals: {name!r} is not a signal a process can"
+                       " catch; use names such as SIGTERM,SIGUSR1,SIGINT"
+                       " (--config.checkpoint.preemption_signals)")
