@@ -16,7 +16,7 @@ import pytest
 from configs import llama
 from sharding import MeshConfig
 from sharding.xla import compiled
-from trainer.aot import compile_for_gpus, compile_locally
+from trainer.aot import compile_for_gpus, compile_locally, compile_report
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +40,19 @@ def gpu_report(target: str, batch_size: int = 64, **mesh) -> compiled.CompiledRe
 
 def kinds(rep):
   return {c["kind"] for c in rep.collectives}
+
+
+def test_a_local_compile_says_whether_it_fits_this_machine():
+  """`meshtron compile` (target local) reports the fit against what this machine's devices hold:
+  --config.device_memory_gib when set, else each CPU device's share of the host's available
+  memory."""
+  small = debug(data=8)
+  small.device_memory_gib = 0.001
+  rep, limit = compile_report(small, "local")
+  assert limit == rep.memory_limit_bytes == int(0.001 * 2**30) < rep.memory["peak"]
+  assert "fits in 0.0 GiB: NO (short by" in compiled.format_report(rep, limit)
+  rep, limit = compile_report(debug(data=8), "local")
+  assert limit > rep.memory["peak"] and ": yes" in compiled.format_report(rep, limit)
 
 
 def test_local_report_has_memory_flops_and_collectives():

@@ -28,13 +28,16 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
   import jax
 
   from trainer.trainer import Trainer  # after the caller configured JAX's platforms and devices
-  devices = jax.devices() if devices is None else devices
+  local = devices is None
+  devices = jax.devices() if local else devices
   trainer = Trainer(cfg, devices)
   start = time.perf_counter()
   with trainer.scope():
     lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
     executable = lowered.compile()
   rep = compiled_report.report(executable, target, devices, time.perf_counter() - start)
+  if local:  # this machine's devices: what they hold, for the report's fit verdict
+    rep.memory_limit_bytes = trainer.memory_limit()[0]
   tokens = cfg.batch_size * cfg.seq_len
   rep.extra = {
       "model": f"{cfg.model.num_params() / 1e9:.3f}B parameters, {cfg.model.num_layers} layers",
@@ -131,7 +134,8 @@ def _worker(request_path: str, response_path: str) -> None:
 def compile_report(cfg: TrainConfig, target: str, hlo_path: str = ""):
   """(report, device memory bytes or None) for `local` or a GPU target name."""
   if target == "local":
-    return compile_locally(cfg, hlo_path=hlo_path), None
+    rep = compile_locally(cfg, hlo_path=hlo_path)
+    return rep, rep.memory_limit_bytes or None
   gpu = compiled_report.parse_gpu_target(target)
   return compile_for_gpus(cfg, gpu, hlo_path), gpu.device_memory_bytes
 

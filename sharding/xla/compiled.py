@@ -86,6 +86,9 @@ class CompiledReport:
   # branches.costliest_branch_wire_bytes: per kind, each conditional counted by its costliest
   # branch (`summary` counts every branch as taken); {} in reports made before it existed.
   costliest_branch: dict = dataclasses.field(default_factory=dict)
+  # What one device may use, for programs compiled for this machine's own devices (the GPU's
+  # limit, or the host's available memory shared by CPU devices); 0: unknown or a GPU target.
+  memory_limit_bytes: int = 0
 
   @property
   def wire_bytes(self) -> float:
