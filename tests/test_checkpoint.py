@@ -115,11 +115,12 @@ def test_sigkill_during_an_async_save_falls_back_to_the_previous_checkpoint(
   assert_same_steps(tmp_path, uninterrupted, range(5, 13))
 
 
-# One handler serves both signals: SIGTERM (what schedulers send) runs in the default suite.
-@pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
+# One handler serves every signal: SIGTERM (what schedulers send) runs in the default suite.
+@pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow),
+                                  pytest.param("SIGHUP", marks=pytest.mark.slow)])
 def test_sigterm_and_ctrl_c_save_the_current_step_and_exit_zero(tmp_path, uninterrupted, name):
-  """A preemption signal (SIGTERM) or a Ctrl-C (SIGINT) finishes the step, saves it and exits 0;
-  the rerun resumes there bit for bit."""
+  """A preemption signal (SIGTERM), a Ctrl-C (SIGINT) or a closed terminal (SIGHUP) finishes the
+  step, saves it and exits 0; the rerun resumes there bit for bit."""
   proc = subprocess.Popen(command(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=environment(), cwd=REPO)
   metrics = tmp_path / "metrics.jsonl"

@@ -75,7 +75,18 @@ def cases(tmp):
   (tmp / "full").mkdir()
   write(tmp / "full" / "config.json", b"{}")
   steps = ["--config.steps=2", "--config.model.num_layers=1"]
+  odd_runs = {}  # workdirs holding one of the run's entries as the wrong kind
+  for name, is_dir in (("metrics.jsonl", False), ("tensorboard", True), ("checkpoints", True),
+                       ("loss.png", False)):
+    odd_runs[name] = tmp / f"odd_{name}"
+    (odd_runs[name] / name).parent.mkdir()
+    if is_dir:
+      write(odd_runs[name] / name, b"a file")
+    else:
+      (odd_runs[name] / name).mkdir()
   return [
+      *((f"workdir {name} of the wrong kind", ["train", f"--workdir={path}", *steps],
+         f"{name} is a") for name, path in odd_runs.items()),
       ("unknown key", ["train", "--config.model.nope=3"], "unknown config key"),
       ("moe key on a dense preset", ["train", "--config=debug",
                                      "--config.model.moe.num_experts=6"], "model.moe is None"),

@@ -103,9 +103,9 @@ class CheckpointConfig:
   keep: int = 3  # the last `keep` checkpoints...
   keep_every: int = 0  # ...plus every checkpoint whose step is a multiple of this (0: none)
   async_save: bool = True
-  # Signals that mean "finish this step, save, exit 0" (e.g. SLURM's --signal=USR1@120); a
-  # second Ctrl-C (SIGINT) stops at once without saving.
-  preemption_signals: str = "SIGTERM,SIGUSR1,SIGINT"
+  # Signals that mean "finish this step, save, exit 0" (e.g. SLURM's --signal=USR1@120; SIGHUP
+  # when the terminal closes); a second Ctrl-C (SIGINT) stops at once without saving.
+  preemption_signals: str = "SIGTERM,SIGUSR1,SIGINT,SIGHUP"
   save_on_error: bool = True  # save the last good state when the loop raises
   # Start from another run's checkpoint directory (or one step directory of it) when this
   # workdir has none; layouts and device counts may differ.

@@ -19,6 +19,10 @@ import tempfile
 from absl import logging
 
 LOCK_NAME = ".meshtron.lock"
+# What a run keeps in its workdir: name -> whether it is a directory (trainer/loop.py,
+# trainer/metrics.py, write_config below).
+RUN_ENTRIES = {"checkpoints": True, "tensorboard": True, "metrics.jsonl": False,
+               "loss.png": False, "config.json": False, LOCK_NAME: False}
 
 
 class WorkdirError(ValueError):
@@ -42,6 +46,12 @@ def check(path: str) -> str:
     made = "is not writable" if existing == path else f"cannot be created in {existing}"
     raise WorkdirError(f"workdir {path} {made} ({e.strerror}); fix the permissions or choose"
                        " another --workdir") from None
+  for name, want_dir in RUN_ENTRIES.items():  # what the run writes: each of its own kind
+    entry = os.path.join(path, name)
+    if os.path.lexists(entry) and os.path.isdir(entry) != want_dir:
+      raise WorkdirError(f"workdir {path}: {name} is a {'file' if want_dir else 'directory'},"
+                         f" where the run keeps its {'directory' if want_dir else 'file'};"
+                         " move it away or choose another --workdir")
   return path
 
 
