@@ -228,6 +228,23 @@ def test_unusable_checkpoints_are_one_line_errors_and_left_untouched(tmp_path):
     loop.run(cfg, str(tmp_path / "fresh"))
 
 
+def test_a_checkpoint_the_run_cannot_read_is_refused_before_compiling(tmp_path, monkeypatch):
+  """A resume whose model shapes or optimizer differ from the checkpoint's metadata ends in one
+  line before the step compiles (a compile of a real model takes minutes)."""
+  loop.run(tiny_run(steps=4), str(tmp_path))
+  monkeypatch.setattr(Trainer, "compile", lambda self: pytest.fail("compiled before the check"))
+  cfg = tiny_run(steps=8)
+  cfg.model.num_layers = 3
+  with pytest.raises(checkpoint.CheckpointError, match=r"model.num_layers=2 \(checkpoint\) vs 3"):
+    loop.run(cfg, str(tmp_path))
+  cfg = tiny_run(steps=8)
+  cfg.optim = dataclasses.replace(cfg.optim, name="muon")
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="holds the state of optim.name='adamw', this run has 'muon'"):
+    loop.run(cfg, str(tmp_path))
+  assert committed(tmp_path) == [4]
+
+
 def test_keeps_the_last_k_and_every_mth(tmp_path):
   cfg = tiny_run(steps=12)
   cfg.checkpoint.every_steps, cfg.checkpoint.keep, cfg.checkpoint.keep_every = 2, 2, 4

@@ -140,20 +140,11 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {path} is unreadable ({_first_line(e)}); move it away to"
                             " resume from an earlier one") from None
 
-  def restore(self, step: int, target_state, iterator, model_config: dict,
-              shared_data_state: bool = True, stage_layers: stage_split.StackSplit = (),
-              fp8_config=None):
-    """Restores `step` into the shardings of `target_state` (ShapeDtypeStructs with shardings:
-    any layout or device count) and the iterator's position. Returns (state, meta, data_ok).
-
-    `fp8_config`: this run's compute.fp8 (the state's amax histories must be the checkpoint's).
-    `stage_layers`: the target's uneven pipeline split (its layer stacks stored padded); a
-    checkpoint written with another split (meta "stage_layers") is read with its stacks' rows
-    whole over the pipeline axis and restacked into the target's.
-
-    With `shared_data_state` (every process iterates the same global stream) any process count
-    resumes exactly from process 0's iterator state; otherwise data_ok is False when the
-    process count changed and the iterator could not be resumed."""
+  def check_fits(self, step: int, model_config: dict, fp8_config=None,
+                 optim_config: dict | None = None) -> dict:
+    """The metadata of checkpoint `step`, once it is checked to fit this run: the model's
+    shapes, the fp8 state and (`optim_config`) the optimizer whose state it holds. Cheap (the
+    metadata only): the trainer calls it before compiling."""
     path = os.path.join(self.directory, str(step))
     meta = self.read_meta(step)
     saved = meta.get("config", {}).get("model", {})
@@ -172,6 +163,31 @@ class Checkpointer:
           f"checkpoint {path} holds {_fp8_words(written_fp8)}, this run's compute.fp8 wants"
           f" {_fp8_words(wanted_fp8)}: resume with the checkpoint's compute.fp8 settings"
           f" ({flags}), or start a new --workdir")
+    saved_optim = meta.get("config", {}).get("optim", {})
+    for key in ("name", "master_weights"):
+      if optim_config is not None and key in saved_optim and saved_optim[key] != optim_config[key]:
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of optim.{key}={saved_optim[key]!r}, this run"
+            f" has {optim_config[key]!r}: resume with --config.optim.{key}={saved_optim[key]},"
+            " or start a new --workdir")
+    return meta
+
+  def restore(self, step: int, target_state, iterator, model_config: dict,
+              shared_data_state: bool = True, stage_layers: stage_split.StackSplit = (),
+              fp8_config=None):
+    """Restores `step` into the shardings of `target_state` (ShapeDtypeStructs with shardings:
+    any layout or device count) and the iterator's position. Returns (state, meta, data_ok).
+
+    `fp8_config`: this run's compute.fp8 (the state's amax histories must be the checkpoint's).
+    `stage_layers`: the target's uneven pipeline split (its layer stacks stored padded); a
+    checkpoint written with another split (meta "stage_layers") is read with its stacks' rows
+    whole over the pipeline axis and restacked into the target's.
+
+    With `shared_data_state` (every process iterates the same global stream) any process count
+    resumes exactly from process 0's iterator state; otherwise data_ok is False when the
+    process count changed and the iterator could not be resumed."""
+    path = os.path.join(self.directory, str(step))
+    meta = self.check_fits(step, model_config, fp8_config)
     written = stage_split.from_meta(meta.get("stage_layers"))
     target = target_state
     if written != tuple(stage_layers):

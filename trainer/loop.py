@@ -13,7 +13,7 @@ from absl import logging
 from trainer import checkpoint, data, metrics, plot, sample
 from trainer.process import preemption, workdir as workdir_lib
 from trainer.config import TrainConfig
-from trainer.restore import init_or_restore
+from trainer.restore import check_resumable, init_or_restore
 from trainer.trainer import Trainer
 
 
@@ -57,11 +57,13 @@ def run(cfg: TrainConfig, workdir: str) -> dict:
   trainer.check_host_memory_estimate()
   workdir_lib.prepare(workdir)  # the first change on disk: every input has been checked
   with workdir_lib.locked(workdir, enabled=is_writer):
+    checkpoints = os.path.join(workdir, "checkpoints")
+    check_resumable(trainer, checkpoints)  # a checkpoint this run cannot read: before compiling
     rep = trainer.compile()
     logging.info("train step compiled in %.1f s: peak %.3f GiB per device, %.1f MiB of"
                  " collectives", rep.compile_seconds, rep.memory["peak"] / 2**30,
                  rep.wire_bytes / 2**20)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+    ckpt = checkpoint.Checkpointer(checkpoints, cfg.checkpoint)
     try:
       train_iter, start, meta = init_or_restore(trainer, ckpt)
     except BaseException:

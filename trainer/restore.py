@@ -51,6 +51,28 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
   return train_iter, step, dict(meta, run_id=saved.get("run_id", meta["run_id"]))
 
 
+def check_resumable(trainer: Trainer, checkpoints: str) -> None:
+  """Before compiling: the checkpoint this run would start from (its latest in `checkpoints`,
+  else `checkpoint.restore_from`) fits its model, fp8 state and optimizer, read from the
+  checkpoint's metadata. Creates nothing on disk."""
+  cfg = trainer.cfg
+  source, step = None, None
+  if os.path.isdir(checkpoints):
+    source = checkpoint.Checkpointer(checkpoints, cfg.checkpoint)
+    step = source.latest_step()
+  if step is None and cfg.checkpoint.restore_from:
+    if source is not None:
+      source.close()
+    source, step = other_run(cfg.checkpoint.restore_from, cfg)
+  try:
+    if step is not None:
+      source.check_fits(step, dataclasses.asdict(cfg.model), cfg.compute.fp8,
+                        dataclasses.asdict(cfg.optim))
+  finally:
+    if source is not None:
+      source.close()
+
+
 def other_run(path: str, cfg: TrainConfig):
   """A Checkpointer over another run's checkpoints and the step to take from it."""
   path = os.path.abspath(os.path.expanduser(path))
