@@ -59,8 +59,8 @@ def attention(q, k, v, segment_ids=None, *, causal: bool = True, impl: str = "xl
     q: [B, L, H, d]; k: [B, L, K, d], v: [B, L, K, dv] with H a multiple of K (dv != d: MLA).
     segment_ids: optional [B, L] document ids (packed sequences never attend across documents).
     causal: mask future positions.
-    impl: "auto" (resolve(impl, JAX's default backend, q's dtype)), "xla" (the plain-jnp reference), "dot_product" (`jax.nn.dot_product_attention`, XLA
-      lowering), "cudnn" (the same call with the cuDNN fused kernel; GPU only) or
+    impl: "auto" (resolve(impl, JAX's default backend, q's dtype)), "xla" (the plain-jnp
+      reference), "dot_product" (`jax.nn.dot_product_attention`, XLA lowering), "cudnn" (the same call with the cuDNN fused kernel; GPU only) or
       "pallas_flash" (`kernels.flash_attention`: Triton on GPUs, the Pallas interpreter on CPU).
     window: > 0: sliding-window attention over the last `window` keys, the query's own
       included; pallas_flash (causal only) skips the key blocks outside it.

@@ -183,15 +183,12 @@ class ModelConfig:
 
   def validate(self) -> None:
     """Raises ValueError with a one-line message for an inconsistent architecture."""
+    # The rope and norm settings too: a zero theta or factor would only show as NaN losses.
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "mlp_dim")
+                "mlp_dim", "norm_eps", "rope_theta", "rope_scaling_factor",
+                "rope_original_max_len", "embed_init_std")
     for name in positive:
-      if getattr(self, name) <= 0:
-        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
-    # Checked here, before compiling: a zero theta or factor would only show as NaN losses.
-    for name in ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_original_max_len",
-                 "embed_init_std"):
-      if not getattr(self, name) > 0:
+      if not getattr(self, name) > 0:  # "not > 0": NaN too
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
     if self.rope_scaling_factor != 1 and not (
         0 < self.rope_low_freq_factor < self.rope_high_freq_factor):

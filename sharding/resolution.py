@@ -9,13 +9,13 @@ import types
 
 import jax
 
-from kernels.attention import check_runs as check_attention, resolve as resolve_attention
+from kernels.attention import (GPU_PLATFORMS, check_runs as check_attention,
+                               resolve as resolve_attention)
 from sharding.context_parallel import load_balanced, ulysses_degree
 from sharding.layout import MESH_SWITCHES, Layout
 from sharding.mesh import BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.pipeline import schedules, stage_split
 
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 # The compute settings the layout reads (models.compute.ComputeConfig), and their defaults.

@@ -86,13 +86,21 @@ def check_paths(cfg) -> None:
                        " Face model directory)")
 
 
-def check_signals(cfg) -> None:
-  """ValueError naming the first of checkpoint.preemption_signals that is not a signal a
-  process can catch (SIGKILL and SIGSTOP cannot be): before compiling, not when the loop
-  installs its handlers."""
-  for name in filter(None, (n.strip() for n in cfg.checkpoint.preemption_signals.split(","))):
-    if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL",
-                                                                                "SIGSTOP"):
+def preemption_signals(names: str) -> list[signal.Signals]:
+  """The signals a comma-separated `names` (checkpoint.preemption_signals) lists; ValueError for
+  a name that is not a signal a process can catch (SIGKILL and SIGSTOP cannot be)."""
+  out = []
+  for name in filter(None, (n.strip() for n in names.split(","))):
+    number = getattr(signal, name, None)
+    if not isinstance(number, signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
       raise ValueError(f"checkpoint.preemption_signals: {name!r} is not a signal a process can"
                        " catch; use names such as SIGTERM,SIGUSR1,SIGINT"
                        " (--config.checkpoint.preemption_signals)")
+    out.append(number)
+  return out
+
+
+def check_signals(cfg) -> None:
+  """checkpoint.preemption_signals checked before compiling, not when the loop installs its
+  handlers (trainer/process/preemption.py reads them with preemption_signals too)."""
+  preemption_signals(cfg.checkpoint.preemption_signals)

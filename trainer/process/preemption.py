@@ -9,6 +9,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from trainer import config_checks
+
 
 class StopRequests:
   """Installs handlers for `signal_names` (e.g. "SIGTERM,SIGUSR1") until `close()`."""
@@ -16,10 +18,7 @@ class StopRequests:
   def __init__(self, signal_names: str):
     self.requested = None  # name of the signal received, if any
     self._previous = {}
-    for name in filter(None, (n.strip() for n in signal_names.split(","))):
-      if not hasattr(signal, name):
-        raise ValueError(f"checkpoint.preemption_signals: unknown signal {name!r}")
-      number = getattr(signal, name)
+    for number in config_checks.preemption_signals(signal_names):
       self._previous[number] = signal.signal(number, self._handle)
 
   def _handle(self, number, frame):
