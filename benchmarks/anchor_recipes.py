@@ -7,8 +7,10 @@ Megatron-Bridge rows are read from NVIDIA-NeMo/Megatron-Bridge `docs/performance
 `src/megatron/bridge/perf_recipes/*/h100/` recipes (recomputation); where several releases list
 the same model, GPU count and precision, the newest is taken and named. Its MoE rows run
 dropless with the token distribution force-balanced across experts (the archive's footnote);
-meshtron's routing is its real router, and its dropless buffers are sized for the worst case, so
-the compiled program is the same under any routing. "Before" rows are the programs of commit
+meshtron's routing is its real router. Its dropless exchange runs in rounds of buffers sized by
+`model.moe.exchange_capacity` (a multiple of a device pair's balanced share); the prediction is
+of one round, which holds while no pair receives more than that. A force-balanced row sets the
+capacity to exactly the balanced share, beside a real-router row at the default capacity (2x). "Before" rows are the programs of commit
 76117c7 (before issue [26]'s program changes), measured with this tree's benchmarks/ and
 sharding/xla/ on a worktree of that commit, and kept so the changes show against them.
 """
@@ -40,6 +42,7 @@ class Anchor:
   differences: str  # what the published run does that meshtron's program does not, or ""
   compute: tuple = ()  # compute config overrides, (field, value) pairs
   routing: str = ""  # MoE rows: how tokens reach experts in the anchor's run and in ours
+  moe: tuple = ()  # model.moe overrides, (field, value) pairs
   before: str = ""  # a "before" row: what it stands for
   # bf16 parameters with float32 master copies in the optimizer (Megatron's distributed
   # optimizer); else float32 parameters, gathered and computed in bf16 (FSDP2, MaxText).
@@ -55,7 +58,12 @@ def _fp8(recipe: str = "tensorwise") -> tuple:
 
 
 _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
-                   " meshtron: dropless, its real router (worst-case buffers: the same program)")
+                   " meshtron: dropless, its real router, exchange buffers 2x a device pair's"
+                   " balanced share (predicted for one round: no pair over 2x its share)")
+_AS_IF_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
+                   " meshtron: dropless, exchange buffers of exactly a device pair's balanced"
+                   " share (exchange_capacity=1), predicted for one round, which only forced"
+                   " balance guarantees (its real router's excess would run more rounds)")
 
 ANCHORS = (
     Anchor("MaxText Llama-2-70B, FSDP 64", "NVIDIA dgxc-benchmarking, maxtext/README_70b.md"
@@ -129,15 +137,23 @@ ANCHORS = (
            " 1024, MBS 1, seq 4096, EP16 (DP 16), no recompute; recipe"
            " qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
            " 5,113 at PP2 VP12 EP8; 25.09: 10,494 with token dropping)", 8_826, FP8_CS,
-           "qwen3_30b_a3b", 16, dict(expert=16), 1024, 4096, 64, "none",
-           "force-balanced routing; Transformer Engine grouped GEMMs and cuDNN attention",
+           "qwen3_30b_a3b", 16, dict(expert=16, zero_stage=1), 1024, 4096, 64, "none",
+           "force-balanced routing; Transformer Engine grouped GEMMs and cuDNN attention."
+           " Both shard the optimizer state over the 16 data-parallel ranks (Megatron's"
+           " distributed optimizer; meshtron's ZeRO-1 over `expert`), the experts' own state"
+           " over none",
            compute=_fp8(), routing=_FORCE_BALANCED, master_weights=True),
+    Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16, buffers as if force-balanced",
+           f"{MEGATRON_BRIDGE}: as the row above", "26.06 (the figure of the row above)", 8_826,
+           FP8_CS, "qwen3_30b_a3b", 16, dict(expert=16, zero_stage=1), 1024, 4096, 64, "none",
+           "as the row above", compute=_fp8(), routing=_AS_IF_BALANCED, master_weights=True,
+           moe=(("exchange_capacity", 1.0),)),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
            " MLPs)", "25.09 (no newer H100 row)", 1_297, FP8_CS, "deepseek_v3", 1024,
            dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="interleaved_1f1b",
-                expert=64, sequence_parallel=True),
+                expert=64, sequence_parallel=True, zero_stage=1),
            8192, 4096, 128, "selective",
            "force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
            " (meshtron: selective, every layer)", compute=_fp8(), routing=_FORCE_BALANCED,
@@ -165,6 +181,9 @@ def config(a: Anchor):
   cfg.mesh = MeshConfig(**{"data": 1, **a.mesh})
   cfg.batch_size, cfg.seq_len, cfg.microbatches = a.batch_size, a.seq_len, a.microbatches
   cfg.compute = dataclasses.replace(cfg.compute, remat=a.remat, **dict(a.compute))
+  if a.moe:
+    cfg.model = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe,
+                                                                       **dict(a.moe)))
   if a.master_weights:
     cfg.model = dataclasses.replace(cfg.model, param_dtype="bfloat16")
     cfg.optim = dataclasses.replace(cfg.optim, master_weights=True)

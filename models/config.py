@@ -40,6 +40,11 @@ class MoEConfig:
   # Dropless token exchange with expert > 1: "padded" all-to-all of worst-case buffers (works
   # everywhere), "ragged" all-to-all (GPU; XLA:CPU does not implement it), "auto": ragged on GPU.
   exchange: str = "auto"
+  # Rows one device sends another per round of that exchange, as a multiple of the balanced
+  # share (its tokens x k / expert devices): a heavier pair takes more rounds (all devices run
+  # as many as the heaviest pair needs), nothing is dropped, and the buffers are sized by this,
+  # not by the worst case (every token to one device). 0: worst-case buffers, one round.
+  exchange_capacity: float = 2.0
   # The dropless grouped matmul: "ragged_dot" (XLA's; on GPUs a dense GEMM over a masked copy
   # of the rows per expert, E times the FLOPs), "pallas" (kernels/grouped_matmul.py: each row
   # tile through its own experts only; Triton on GPUs, interpreted on CPU), "auto": pallas on
@@ -63,7 +68,8 @@ class MoEConfig:
       if getattr(self, name) <= 0:
         raise ValueError(f"model.moe.{name} must be positive, got {getattr(self, name)}")
     for name in ("expert_mlp_dim", "num_shared_experts", "first_dense_layers",
-                 "load_balance_loss", "router_z_loss", "bias_update_rate"):
+                 "load_balance_loss", "router_z_loss", "bias_update_rate",
+                 "exchange_capacity"):
       if getattr(self, name) < 0:
         raise ValueError(f"model.moe.{name} must be >= 0, got {getattr(self, name)}")
     if self.experts_per_token > self.num_experts:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from kernels.residuals import keep
 from sharding.mesh import LayoutError, mesh_sizes
 from sharding.scope import spec
 from sharding.shard_map import stage_shard_map
@@ -88,16 +89,21 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
   if num_experts % shards:
     raise LayoutError(f"moe: {num_experts} experts cannot be split over"
                       f" {' x '.join(f'{a}={sizes[a]}' for a in expert_axes)}")
-  exchange = layout.exchange
   token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
   choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
   token_axes = {a for entry in token_spec for a in _axes(entry)}
-  static["expert_fn"] = functools.partial(expert_fn, axes=ExpertAxes(
-      expert_axes, partial_axes, tuple(sorted(token_axes - {*expert_axes, *partial_axes}))))
+  axes = ExpertAxes(expert_axes, partial_axes,
+                    tuple(sorted(token_axes - {*expert_axes, *partial_axes})))
+  static["expert_fn"] = functools.partial(expert_fn, axes=axes)
+  # The rounds' count is agreed over every axis of the region (fp8 amaxes are pmax'ed over
+  # them inside each round); not over a pipeline's stages, which run other ticks' work.
 
   def body(x, ids, weights, *local_params):
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
-                       partial_axes=partial_axes, exchange=exchange, **static)
+                       partial_axes=partial_axes, exchange=layout.exchange,
+                       exchange_capacity=layout.exchange_capacity, sync_axes=axes.every,
+                       in_replica_vmap=layout.in_replica_vmap,
+                       **static)
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
   if layout.in_pipeline_stage:
@@ -144,7 +150,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,
-                partial_axes, exchange):
+                partial_axes, exchange, exchange_capacity=0.0, sync_axes=(), in_replica_vmap=False):
   """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
   b, l, d = x_BLD.shape
   k = ids_BLk.shape[-1]
@@ -157,9 +163,15 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   if not expert_axes:
     y_sorted = expert_fn(x_sorted, counts, *params)
   else:
-    exchange_fn = _ragged_exchange if exchange == "ragged" else _padded_exchange
-    y_sorted = exchange_fn(x_sorted, counts, params, expert_fn, expert_axes,
-                           capacity=tokens * min(k, num_experts // _size(expert_axes)))
+    n = _size(expert_axes)
+    worst = tokens * min(k, num_experts // n)  # all my tokens' assignments to one device
+    # Under the replicas' vmap (gradient accumulation over data) one worst-case round: JAX 0.10
+    # batches a while loop there with types that its varying-axes check then refuses (the
+    # round counter's carry varies over the vmapped axis, the routing counts do not).
+    capacity = worst if not exchange_capacity or in_replica_vmap else min(
+        worst, max(1, math.ceil(exchange_capacity * assignments / n)))
+    y_sorted = _exchange(x_sorted, counts, params, expert_fn, expert_axes, capacity, worst,
+                         exchange, sync_axes)
   y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(tokens, k, d)
   y = jnp.sum(y * weights_BLk.reshape(tokens, k, 1).astype(y.dtype), axis=1)
   if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
@@ -188,37 +200,114 @@ def _run_received(recv, recv_counts, params, expert_fn):
   return jnp.zeros_like(out).at[regroup].set(out).reshape(n, cap, d)
 
 
-def _padded_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
-  """all_to_all of [N, capacity, D] buffers: row j holds the tokens for device j's experts
-  (capacity = the most one device can receive from another, so nothing is ever dropped)."""
+def _ceil_div(a, b):
+  return (a + b - 1) // b
+
+
+def _exchange(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchange, sync_axes):
+  """Tokens to the devices of their experts and back, in rounds of at most `capacity` rows per
+  device pair: round r moves rows [r·capacity, (r+1)·capacity) of each pair's share. Every
+  device in `sync_axes` runs as many rounds as the heaviest pair needs, so nothing is dropped
+  and the buffers are sized by `capacity`, not by the worst case. `capacity` == `worst` (the
+  most one device can send another) is one round, differentiated as it is written; fewer rows
+  run a while loop of rounds under `_rounds`' custom gradient."""
+  round_fn = functools.partial(_ROUNDS[exchange], expert_fn=expert_fn, axes=axes,
+                               capacity=capacity)
+  if capacity >= worst:
+    return round_fn(x_sorted, counts, params, 0)
+  n = _size(axes)
+  heaviest = jnp.max(jnp.sum(counts.reshape(n, -1), axis=1)).astype(jnp.int32)
+  rounds = _ceil_div(jax.lax.pmax(_varying(heaviest, sync_axes), sync_axes), capacity)
+  # Named (kept by remat="none", models/compute.py): else the backward would run the forward's
+  # rounds again only to have their output.
+  return keep(_rounds(round_fn, _varying(jnp.zeros_like(x_sorted), sync_axes), rounds,
+                      x_sorted, counts, *params))
+
+
+def _varying(x, axes):
+  """x typed as varying over `axes` too (shard_map's varying-axes check; a no-op without it):
+  the rounds' loop carries must have the type of what a round adds to them."""
+  extra = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+  return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
+  """sum over r < rounds of round_fn(x_sorted, counts, params, r), in a while loop: its trip
+  count is the data's, so autodiff cannot reverse it; the backward below runs the rounds again,
+  each round's forward recomputed inside its vjp (residuals: the inputs only)."""
+  def body(carry):
+    r, y = carry
+    return r + 1, y + round_fn(x_sorted, counts, params, r)
+  return jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.zeros_like(rounds), zeros))[1]
+
+
+def _rounds_forward(round_fn, zeros, rounds, x_sorted, counts, *params):
+  y = _rounds(round_fn, zeros, rounds, x_sorted, counts, *params)
+  return y, keep((rounds, x_sorted, counts, params))
+
+
+def _rounds_backward(round_fn, residuals, g):
+  rounds, x_sorted, counts, params = residuals
+
+  def body(carry):
+    r, dx, dparams = carry
+    _, pullback = jax.vjp(lambda x, p: round_fn(x, counts, p, r), x_sorted, params)
+    ddx, ddparams = pullback(g)
+    return r + 1, dx + ddx, jax.tree.map(jnp.add, dparams, ddparams)
+
+  init = (jnp.zeros_like(rounds), jnp.zeros_like(x_sorted), jax.tree.map(jnp.zeros_like, params))
+  _, dx, dparams = jax.lax.while_loop(lambda c: c[0] < rounds, body, init)
+  return (None, None, dx, None, *dparams)
+
+
+_rounds.defvjp(_rounds_forward, _rounds_backward)
+
+
+def _received_counts(recv_counts, offset, capacity):
+  """[N, E_local] rows per local expert in the window [offset, offset + capacity) of each
+  source's rows for me (sorted by local expert)."""
+  ends = jnp.clip(jnp.cumsum(recv_counts, axis=1) - offset, 0, capacity)
+  return jnp.diff(ends, axis=1, prepend=0).astype(jnp.int32)
+
+
+def _padded_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
+  """One round by all_to_all of [N, capacity, D] buffers: row j holds this round's rows for
+  device j's experts; the result holds the round's rows of x_sorted's outputs, zeros elsewhere."""
   n = _size(axes)
   a, d = x_sorted.shape
   per_device = counts.reshape(n, -1)  # [N, E_local]: tokens for each expert of each device
+  offset = r * capacity
   sent = jnp.sum(per_device, axis=1)
   start = jnp.cumsum(sent) - sent
   slot = jnp.arange(capacity)
-  rows = jnp.clip(start[:, None] + slot[None], 0, a - 1)  # [N, cap]
-  valid = slot[None] < sent[:, None]
+  rows = jnp.clip(start[:, None] + offset + slot[None], 0, a - 1)  # [N, cap]
+  valid = offset + slot[None] < sent[:, None]
   send = jnp.where(valid[..., None], x_sorted[rows], 0)
   recv = jax.lax.all_to_all(send, axes, 0, 0)
-  recv_counts = jax.lax.all_to_all(per_device, axes, 0, 0)
+  recv_counts = _received_counts(jax.lax.all_to_all(per_device, axes, 0, 0), offset, capacity)
   back = jax.lax.all_to_all(_run_received(recv, recv_counts, params, expert_fn), axes, 0, 0)
-  # Sorted assignment i went to device dest[i] at slot i - start[dest[i]].
+  # Sorted assignment i went to device dest[i], at position i - start[dest[i]] of that share.
   dest = jnp.sum(jnp.cumsum(sent)[None, :] <= jnp.arange(a)[:, None], axis=1)
-  return back[dest, jnp.arange(a) - start[dest]]
+  at = jnp.arange(a) - start[dest] - offset
+  inside = (at >= 0) & (at < capacity)
+  return jnp.where(inside[:, None], back[dest, jnp.clip(at, 0, capacity - 1)], 0)
 
 
-def _ragged_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
-  """The same exchange with ragged_all_to_all: only the real rows travel (GPU)."""
+def _ragged_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
+  """The same round with ragged_all_to_all: only the real rows travel (GPU)."""
   n = _size(axes)
   a, d = x_sorted.shape
   me = jax.lax.axis_index(axes)
   per_device = counts.reshape(n, -1)
+  offset = jnp.asarray(r * capacity, jnp.int32)
   sent = jnp.sum(per_device, axis=1).astype(jnp.int32)
   start = (jnp.cumsum(sent) - sent).astype(jnp.int32)
-  recv_counts = jax.lax.all_to_all(per_device, axes, 0, 0)
-  received = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
+  recv_total = jax.lax.all_to_all(per_device, axes, 0, 0)
+  received = jnp.sum(recv_total, axis=1).astype(jnp.int32)
   their_start = jax.lax.all_to_all(start.reshape(n, 1), axes, 0, 0).reshape(n)
+  sending = jnp.clip(sent - offset, 0, capacity).astype(jnp.int32)
+  receiving = jnp.clip(received - offset, 0, capacity).astype(jnp.int32)
   # Offsets computed from `sent` (x 0, not zeros_like, which vmap leaves unbatched): under
   # gradient accumulation's replica vmap every offset and size must carry the batch dim, or
   # ragged_all_to_all's batching rule fails (an assert in jax/_src/lax/parallel.py).
@@ -229,10 +318,15 @@ def _ragged_exchange(x_sorted, counts, params, expert_fn, axes, capacity):
   # plain constant would be cast to varying, and the cast's transpose is an all-reduce of the
   # whole buffer over every device in the backward.
   recv = jax.lax.ragged_all_to_all(
-      x_sorted, jnp.zeros_like(x_sorted, shape=(n * capacity, d)), start, sent,
-      me * capacity + batched, received, axis_name=axes)
-  out = _run_received(recv.reshape(n, capacity, d), recv_counts, params, expert_fn)
+      x_sorted, jnp.zeros_like(x_sorted, shape=(n * capacity, d)),
+      jnp.minimum(start + offset, a), sending, me * capacity + batched, receiving,
+      axis_name=axes)
+  out = _run_received(recv.reshape(n, capacity, d),
+                      _received_counts(recv_total, offset, capacity), params, expert_fn)
   # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
   return jax.lax.ragged_all_to_all(
-      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)), slots, received,
-      their_start, sent, axis_name=axes)
+      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)), slots, receiving,
+      jnp.minimum(their_start + offset, a), sending, axis_name=axes)
+
+
+_ROUNDS = {"padded": _padded_round, "ragged": _ragged_round}

@@ -149,4 +149,5 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
       sequence_parts_apart=getattr(moe, "dispatch", "dropless") != "dropping",
       grouped_matmul=(grouped if grouped != "auto" else
                       "pallas" if platform in GPU_PLATFORMS else "ragged_dot"),
-      exchange=exchange if exchange != "auto" else "padded" if platform == "cpu" else "ragged")
+      exchange=exchange if exchange != "auto" else "padded" if platform == "cpu" else "ragged",
+      exchange_capacity=getattr(moe, "exchange_capacity", 0.0))

@@ -85,9 +85,12 @@ def with_overrides(rules: Rules, overrides: Mapping[str, tuple[str, ...]]) -> Ru
 # The ZeRO stage from which each role is also sharded over ZERO_AXES.
 ZERO_STAGE_OF_ROLE = {"opt_state": 1, "grads": 2, "params": 3}
 # The axes whose devices hold the same parameters, so ZeRO splits their state over them: the
-# data-parallel replicas, and context parallelism's devices (each holds a part of the same
-# sequences). Megatron's distributed optimizer shards over the same data x context group.
-ZERO_AXES = ("data", "context")
+# data-parallel replicas, context parallelism's devices (each holds a part of the same
+# sequences) and expert parallelism's (each holds other tokens). Megatron's distributed
+# optimizer shards over the same data x context group, expert ranks included for the weights
+# they share. The experts' own weights take `expert` on their experts dim first (each mesh axis
+# once per array), so their state is split over data x context only.
+ZERO_AXES = ("data", "context", "expert")
 
 
 def layout_rules(rules: Rules, *, sequence_parallel: bool = False,
@@ -152,7 +155,7 @@ def lookup_moves_rows(*, fsdp: int, tensor: int, pipeline: int, vocab: int,
 
 def role_rules(rules: Rules, role: str, zero_stage: int) -> Rules:
   """The rules for one part of the train state: from its ZeRO stage on, a role's `embed` dims are
-  sharded over ZERO_AXES (`data` and `context`) too (stage 1: optimizer state, 2: + gradients,
+  sharded over ZERO_AXES (`data`, `context`, `expert`) too (stage 1: optimizer state, 2: + gradients,
   3: + parameters)."""
   if role not in ZERO_STAGE_OF_ROLE or zero_stage < ZERO_STAGE_OF_ROLE[role]:
     return rules

@@ -61,6 +61,11 @@ def test_mixed_precision_state_and_zero_stages_by_hand():
   # Context parallelism's devices hold the same parameters: ZeRO splits over data x context.
   assert state_bytes(7808, 80, Layout(data=2, context=2, zero_stage=1), PLAYBOOK_MIXED) == \
       (15776, 15776, 24384)
+  # And expert parallelism's, for all but the routed experts' weights (say 4096 of the 7808,
+  # already split by `expert`): ZeRO-1 over data=2 x expert=2 splits the other 3712 over 4 and
+  # the experts' over data=2: 12 x (928 + 2048 + 80) = 36672.
+  assert state_bytes(7808, 80, Layout(data=2, expert=2, zero_stage=1), PLAYBOOK_MIXED,
+                     experts=4096) == (15776, 15776, 36672)
   # fp32 gradient accumulation adds 4 bytes to the gradient term: 2 + 4 per parameter.
   assert state_bytes(7808, 80, Layout(), PLAYBOOK_MIXED_FP32_ACCUM)[1] == 6 * 7888
 

@@ -19,6 +19,8 @@ import sharding
 from configs import moe as moe_configs
 from models import ComputeConfig
 from models.config import MoEConfig
+
+MOE_DEFAULTS = MoEConfig()
 from models.moe import MoE
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo
@@ -59,6 +61,8 @@ LAYOUTS = {
     "expert=2,tensor=2,data=2,dropless,ga=2,remat=full": (M(expert=2, tensor=2, data=2), MOE,
                                                           dict(microbatches=2, remat="full")),
     "expert=2,tensor=2,data=2,dropping": (M(expert=2, tensor=2, data=2), DROPPING, {}),
+    # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
+    "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
 }
 
 
@@ -81,8 +85,9 @@ def test_references_are_not_trivial():
 
 
 @functools.lru_cache(maxsize=None)
-def ep_program(dispatch: str):
-  moe = dataclasses.replace(MOE, dispatch=dispatch, capacity_factor=1.0, first_dense_layers=0)
+def ep_program(dispatch: str, exchange_capacity: float = MOE.exchange_capacity):
+  moe = dataclasses.replace(MOE, dispatch=dispatch, capacity_factor=1.0, first_dense_layers=0,
+                            exchange_capacity=exchange_capacity)
   return hlo.collectives(harness.compile_step(M(expert=8), moe=moe).as_text())
 
 
@@ -107,15 +112,34 @@ def test_dropping_exchanges_tokens_by_all_to_all_with_the_predicted_bytes():
   assert replicated_bytes <= reduced <= replicated_bytes + 1024  # + routing counts, losses
 
 
-def test_dropless_padded_exchange_is_all_to_all_of_worst_case_buffers():
-  """The CPU path pads: each device sends N buffers of T min(k, E/N) rows, 4x the dropping
-  payload here (N = 8, k = 2, E/N = 1); the ragged GPU path sends only the real rows."""
-  cols = [c for c in ep_program("dropless") if c.kind == "all-to-all"]
+def test_dropless_padded_exchange_of_worst_case_buffers():
+  """exchange_capacity=0, the worst case in one round: each device sends N buffers of
+  T min(k, E/N) rows, 4x the dropping payload here (N = 8, k = 2, E/N = 1)."""
+  cols = [c for c in ep_program("dropless", 0.0) if c.kind == "all-to-all"]
   cfg = harness.config(M(), moe=dataclasses.replace(MOE, first_dense_layers=0)).model
   tokens = harness.BATCH * harness.SEQ // 8
   padded = 8 * tokens * min(2, 1) * cfg.embed_dim * 4
   assert sorted(c.bytes for c in cols if c.dtype == "f32") == [padded] * 4
-  assert all(c.count == cfg.moe_layers() for c in cols)
+  assert all(c.count == cfg.moe_layers() and not c.unknown_trip_count for c in cols)
+
+
+def test_dropless_exchange_runs_rounds_of_capacity_sized_buffers():
+  """The default exchange_capacity (2): buffers of 2x a pair's balanced share (T k / N rows)
+  per round, half the worst case here, in while loops whose trip count is the data's (the
+  heaviest pair's rounds): there and back in the forward; in the backward each round's
+  exchange there again (its forward recomputed; the way back is not needed) and both
+  transposes. No worst-case buffer is left."""
+  assert MOE.exchange_capacity == MOE_DEFAULTS.exchange_capacity == 2.0
+  cfg = harness.config(M(), moe=dataclasses.replace(MOE, first_dense_layers=0)).model
+  tokens = harness.BATCH * harness.SEQ // 8
+  capacity = math.ceil(2.0 * tokens * MOE.experts_per_token / 8)
+  worst = tokens * min(MOE.experts_per_token, MOE.num_experts // 8)
+  assert capacity < worst
+  rows = [c for c in ep_program("dropless") if c.kind == "all-to-all" and c.dtype == "f32"]
+  assert sorted(c.bytes for c in rows) == [8 * capacity * cfg.embed_dim * 4] * 5
+  assert all(c.unknown_trip_count for c in rows)
+  worst_bytes = 8 * worst * cfg.embed_dim * 4
+  assert not [c for c in ep_program("dropless") if c.bytes >= worst_bytes]
 
 
 def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
@@ -126,6 +150,7 @@ def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
   cfg.mesh = M(expert=8)
   cfg.batch_size, cfg.seq_len = 16, 64
   cfg.model.num_layers = 2
+  cfg.model.moe = dataclasses.replace(cfg.model.moe, exchange_capacity=0.0)  # one round
   path = tmp_path / "step.hlo"
   rep = compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
   assert rep.platform != "cpu" and rep.num_devices == 8
@@ -145,6 +170,31 @@ def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):
              tokens * moe.experts_per_token * cfg.model.embed_dim}
   reduced = [math.prod(c.shape) for c in hlo.collectives(text) if c.kind == "all-reduce"]
   assert reduced and not buffers & set(reduced), (buffers, reduced)
+
+
+def test_ragged_rounds_compile_for_8_h100s(tmp_path):
+  """The default exchange_capacity on the GPU path: each ragged_all_to_all receives into
+  N x capacity rows (2x a pair's balanced share), half the worst case's N x T min(k, E/N)
+  here, inside while loops of data-dependent trip count: there and back in the forward, there
+  again and both transposes in the backward."""
+  cfg = moe_configs.debug_moe()
+  cfg.mesh = M(expert=8)
+  cfg.batch_size, cfg.seq_len = 16, 64
+  cfg.model.num_layers = 2
+  path = tmp_path / "step.hlo"
+  compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
+  comps = hlo.computations(path.read_text())
+  _, unknown, _ = hlo.executions(comps)
+  moe, d = cfg.model.moe, cfg.model.embed_dim
+  tokens = cfg.batch_size * cfg.seq_len // 8
+  capacity = math.ceil(moe.exchange_capacity * tokens * moe.experts_per_token / 8)
+  worst = tokens * min(moe.experts_per_token, moe.num_experts // 8)
+  assert capacity < worst
+  starts = [(c, i) for c, instrs in comps.items() for i in instrs
+            if i.op == "ragged-all-to-all-start"]
+  assert len(starts) == 5 and all(unknown[c] for c, _ in starts)
+  received = {re.search(r"\), f32\[(\d+),(\d+)\]", i.type).groups() for _, i in starts}
+  assert received == {(str(8 * capacity), str(d)), (str(tokens * moe.experts_per_token), str(d))}
 
 
 def test_ragged_all_to_all_compiles_under_gradient_accumulation():
@@ -190,7 +240,10 @@ def test_ragged_exchange_offsets_against_emulated_collective(monkeypatch):
 
   want = jax.value_and_grad(functools.partial(loss, graphdef), argnums=(0, 1))(state, x,
                                                                                "dense")
-  for sizes in (dict(expert=8), dict(expert=4, tensor=2)):
+  # One worst-case round, and rounds of a quarter of a pair's balanced share (several each).
+  for sizes, capacity in ((dict(expert=8), 0.0), (dict(expert=4, tensor=2), 0.0),
+                          (dict(expert=8), 0.25), (dict(expert=4, tensor=2), 0.25)):
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange_capacity=capacity))
     # The layer built for the mesh: its dropless exchange takes the mesh from its layout.
     layout = sharding.resolve(M(**sizes), jax.devices(), cfg, compute, batch_size=8, seq_len=16)
     assert layout.exchange == "ragged"

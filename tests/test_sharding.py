@@ -144,6 +144,15 @@ def test_zero_stage_views(stage, sharded_roles):
                                    dict(sizes, data=2, context=4),
                                    role_rules(DEFAULT_RULES, role, stage))
     assert (with_context == P(None, ("data", "context"), None)) == (role in sharded_roles)
+    # So do expert parallelism's (each holds other tokens), for the weights they share; the
+    # experts' own weights keep `expert` on their experts dim, their state split over data only.
+    with_expert = dict(sizes, data=2, expert=4)
+    shared = logical_to_spec(("layers", "embed", "mlp"), (2, 32, 64), with_expert,
+                             role_rules(DEFAULT_RULES, role, stage))
+    assert (shared == P(None, ("data", "expert"), None)) == (role in sharded_roles)
+    routed = logical_to_spec(("layers", "experts", "embed", "mlp"), (2, 8, 32, 64), with_expert,
+                             role_rules(DEFAULT_RULES, role, stage))
+    assert routed == P(None, "expert", "data" if role in sharded_roles else None, None)
 
 
 def debug_config(**mesh):

@@ -162,12 +162,10 @@ ESTIMATOR_MODELS = {
 
 
 def model_spec(model, compute=None) -> ModelSpec:
-  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`).
-
-  From models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width), shared
+  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`). From
+  models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width), shared
   experts and the leading dense layers (per-layer figures are means over the layers). Not
-  counted: the aux-loss-free routing bias (E parameters per MoE layer).
-  """
+  counted: the aux-loss-free routing bias (E parameters per MoE layer)."""
   if isinstance(model, ModelSpec):
     return model
   moe = getattr(model, "moe", None)
@@ -228,9 +226,6 @@ PRECISIONS = {"playbook": PLAYBOOK_MIXED, "playbook_fp32_accum": PLAYBOOK_MIXED_
               "fp32": FULL_FP32, "trainer": trainer_precision("bfloat16")}
 
 
-# ---- memory ----
-
-
 @dataclasses.dataclass
 class Memory:
   """Bytes per device, the playbook's breakdown (the most loaded pipeline stage)."""
@@ -259,6 +254,7 @@ class ParamCounts:
   tables: float  # embedding and/or head on this stage (shardable)
   replicated: float  # norm scales: never sharded (they have no embed dim to split)
   layer_matrices: float  # one layer's matrices (what ZeRO-3 gathers at a time)
+  experts: float = 0.0  # the routed experts' matrices among `layers` (split by `expert` already)
 
   @property
   def shardable(self) -> float:
@@ -292,28 +288,32 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   experts = m.moe.num_experts * 3 * m.embed_dim * m.moe.expert_mlp_dim if m.moe else 0
   mtp = m.mtp_depth * ((matrices - experts) / lay.tensor + experts / (lay.tensor * lay.expert)
                        + 2 * m.embed_dim ** 2)
+  routed = (layers * m.expert_params() + m.mtp_depth * experts) / (lay.tensor * lay.expert)
   return ParamCounts(layers * per_layer + mtp, tables, layers * 2 * m.embed_dim + m.embed_dim
-                     + m.mtp_depth * (norms + 3 * m.embed_dim), per_layer)
+                     + m.mtp_depth * (norms + 3 * m.embed_dim), per_layer, routed)
 
 
-def shards(layout: Layout) -> tuple[int, int, int]:
-  """(param, grad, optimizer) shard counts: fsdp, times data x context from ZeRO 3/2/1."""
-  f, d, z = layout.fsdp, layout.data * layout.context, layout.zero_stage
+def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
+  """(param, grad, optimizer) shard counts: fsdp x the ZeRO group from ZeRO 3/2/1, data x context
+  x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits)."""
+  f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context
+  d *= 1 if experts else layout.expert
   return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
 def state_bytes(shardable: float, replicated: float, layout: Layout,
-                precision: Precision) -> tuple[float, float, float]:
-  """(params, grads, optimizer) bytes per device. ZeRO (arXiv:1910.02054, the playbook's
-  "ZeRO" section): 2Psi + 2Psi + kPsi/N_d (stage 1), 2Psi + (2+k)Psi/N_d (2), (4+k)Psi/N_d (3),
-  k = 12 for Adam with fp32 master weights."""
-  p, g, o = shards(layout)
+                precision: Precision, experts: float = 0.0) -> tuple[float, float, float]:
+  """(params, grads, optimizer) bytes per device (`experts`: the routed experts' share of
+  `shardable`). ZeRO (arXiv:1910.02054, the playbook's "ZeRO" section): 2Psi + 2Psi + kPsi/N_d
+  (stage 1), 2Psi + (2+k)Psi/N_d (2), (4+k)Psi/N_d (3), k = 12 for Adam with fp32 masters."""
   pr = precision
   accumulating = layout.microbatches > 1 or not pr.accum_only_when_microbatching
   accum = pr.grad_accum_bytes if accumulating else 0
-  params = pr.param_bytes * (shardable / p + replicated)
-  grads = (pr.grad_bytes + accum) * (shardable / g + replicated)
-  optimizer = (pr.master_bytes + 2 * pr.opt_bytes) * (shardable / o + replicated)
+  p, g, o = ((shardable - experts) / n + experts / e  # each role's per-device parameters
+             for n, e in zip(shards(layout), shards(layout, experts=True)))
+  params = pr.param_bytes * (p + replicated)
+  grads = (pr.grad_bytes + accum) * (g + replicated)
+  optimizer = (pr.master_bytes + 2 * pr.opt_bytes) * (o + replicated)
   return params, grads, optimizer
 
 
@@ -349,9 +349,10 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
         m.moe.num_experts
     ff = routed * m.moe_share() + ff * (1 - m.moe_share())
   qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
-  latents = 0  # MLA: the compressed q and kv (with the rope key) and their norms' outputs,
-  if m.mla is not None:  # whole on every tensor-parallel device
-    latents = 2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole on every
+  # tensor-parallel device.
+  latents = 0 if m.mla is None else \
+      2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
   return ActivationTerms((4 * m.embed_dim + latents) * e, (qkvo + ff) * e, scores,
                          m.embed_dim * e)
@@ -359,11 +360,9 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
 
 def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
                            remat: str) -> float:
-  """Stored activations of one layer for `tokens` tokens on one device.
-
-  none: replicated/(t if SP) + split/t + scores s/t; selective: without the scores; full: only
-  the layer input (2sbh at 2 bytes), split by t under SP.
-  """
+  """Stored activations of one layer for `tokens` tokens on one device. none: replicated/(t if
+  SP) + split/t + scores s/t; selective: without the scores; full: only the layer input (2sbh at
+  2 bytes), split by t under SP."""
   t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
   if remat == "full":
     return tokens * terms.layer_input / sp_div
@@ -378,7 +377,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
-  params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision)
+  params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
+                                         counts.experts)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
   terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)

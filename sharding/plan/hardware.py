@@ -191,14 +191,15 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   grads = counts.total * max(pr.grad_bytes, pr.grad_accum_bytes) / lay.fsdp
   params = counts.total * pr.param_bytes / lay.fsdp
   buckets = lambda size: max(1.0, math.ceil(size / BUCKET_BYTES))  # noqa: E731
-  # ZeRO splits the state over data x context (sharding.rules.ZERO_AXES).
-  zero_group = lay.data * lay.context
+  # ZeRO splits the state over data x context x expert (sharding.rules.ZERO_AXES; the routed
+  # experts' weights over data x context: counted with the others, an upper bound).
+  zero_group = lay.data * lay.context * lay.expert
   zero_data = lay.zero_stage in (1, 2) and zero_group > 1
   sync = [(a, n) for a, n in (("data", lay.data), ("context", lay.context),
                               ("expert", lay.expert))
-          if n > 1 and (lay.zero_stage < 3 or a == "expert")]
+          if n > 1 and lay.zero_stage < 3]
   if zero_data:  # reduce-scatter the gradients, all-gather the updated parameters
-    axes = tuple(a for a in ("data", "context") if getattr(lay, a) > 1)
+    axes = tuple(a for a in ("data", "context", "expert") if getattr(lay, a) > 1)
     n = buckets(grads)
     out.append(Collective(axes, "reduce-scatter", "grad_sync", grads / n,
                           n * (ga if lay.zero_stage == 2 else 1), zero_group))
@@ -213,7 +214,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   tokens = lay.micro_batch * seq_len / lay.context
   act = tokens * m.embed_dim * pr.act_bytes
   if n_z3 > 1:
-    axes = ("data", "context", "fsdp") if lay.zero_stage == 3 else ("fsdp",)
+    axes = ("data", "context", "expert", "fsdp") if lay.zero_stage == 3 else ("fsdp",)
     layers = counts.layers * pr.param_bytes
     # Where the embedding lookup moves token rows (an all-to-all each way; sharding.rules), not
     # the table: only the head (or the tied table as head) is gathered and has its gradient
