@@ -21,6 +21,7 @@ import json
 import os
 import time
 
+from benchmarks import anchor_planner
 from benchmarks.anchor_recipes import ANCHORS, Anchor, config
 from benchmarks.report import replace_section
 from sharding.plan.minimum import minimum_bytes
@@ -73,6 +74,7 @@ def run(a: Anchor) -> dict:
           "collectives": {kind: {k: v[k] for k in ("executions", "wire_bytes")}
                           for kind, v in rep.summary.items()},
           **minimum_fields(a, layout, sum(rep.costliest_branch.values())),
+          **anchor_planner.planner_fields(a, layout, st["tokens_per_s_per_gpu"]),
           "top_ops": [{k: op[k] for k in ("name", "kind", "count", "total_s", "flops")}
                       for op in st["top_ops"][:5]],
           "compile_s": round(time.perf_counter() - start, 1)}
@@ -102,6 +104,7 @@ def refresh(path: str) -> None:
     if r["status"] == "compiled":
       layout = config(a).layout(compiled.parse_gpu_target(a.target).num_devices)
       r.update(minimum_fields(a, layout, r["collective_bytes"]))
+      r.update(anchor_planner.planner_fields(a, layout, r["predicted_tokens_per_s_per_gpu"]))
   with open(path, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -133,7 +136,9 @@ def render(path: str) -> str:
         f" {_gib(r['collective_bytes'])} : {_gib(r['minimum_total_bytes'])}{ratio} |"
         f" {r['predicted_tokens_per_s_per_gpu']:,.0f} ({r['predicted_mfu']:.1%}) |"
         f" {r['published_tokens_per_s_per_gpu']:,.0f} | {r['predicted_over_published']:.2f} |")
-  lines.append("")
+  lines += ["", "The planner on each compiled row (`benchmarks/anchor_planner.py`; issue [26] asks"
+            " for the anchor's layout, or a faster one, in `plan`'s top 3, and its analytic speed"
+            " within 20% of the compiled prediction):", "", *anchor_planner.render(rows), ""]
   for r in rows:
     routing = f" Routing: {r['routing']}." if r.get("routing") else ""
     before = f" Before row: {r['before']}." if r.get("before") else ""

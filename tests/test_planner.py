@@ -87,6 +87,20 @@ def test_plan_of_a_moe_uses_expert_parallelism():
   assert estimate.ESTIMATOR_MODELS["mixtral_8x7b"].num_params() == pytest.approx(46.7e9, rel=0.01)
 
 
+def test_plan_shards_the_optimizer_over_expert_where_data_is_1():
+  """ZeRO splits over data x context x expert (sharding.rules.ZERO_AXES): with every GPU on
+  `expert`, ZeRO-1 and 2 are still layouts to weigh (here all too big for 8 GPUs: rejected,
+  each with its reason), and ZeRO-1 needs less optimizer memory than none."""
+  mixtral = estimate.ESTIMATOR_MODELS["mixtral_8x7b"]
+  result = planner.plan(mixtral, 8, 4096, 2**17, PLAYBOOK_MIXED, H100)
+  weighed = [c.layout.string() for c in result.ranked] + [name for name, _ in result.rejected]
+  for zero in (0, 1, 2):
+    assert f"data=1,expert=8,zero={zero},mbs=1,ga=4,remat=full,sp=0,schedule=1f1b" in weighed
+  memory = {z: planner.evaluate(mixtral, Layout(expert=8, zero_stage=z), 4096, PLAYBOOK_MIXED,
+                                H100).memory.optimizer for z in (0, 1)}
+  assert memory[1] < memory[0]
+
+
 def test_plan_70b_on_512_gpus_searches_the_whole_space():
   """70B on 512 GPUs: tens of thousands of layouts considered, thousands ranked. How long it
   takes (issue [18]'s bound: under 5 s) is benchmarks/planner_speed.py's, not a timed test's."""

@@ -12,6 +12,7 @@ a position's layers are some of each, so each stack gets its own counts per posi
 padded by its own max when those are uneven.
 """
 
+import functools
 import math
 
 import jax
@@ -33,6 +34,8 @@ def parse(text: str) -> tuple[int, ...]:
   return tuple(int(p) for p in parts)
 
 
+# Cached: the planner asks for the same few splits for each of its ~30,000 layouts.
+@functools.lru_cache(maxsize=4096)
 def split(num_layers: int, positions: int, stage_layers: str = "") -> tuple[int, ...]:
   """Layers per pipeline position (stages x virtual stages, in model order).
 

@@ -101,7 +101,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
           if errors:
             rejected.append((named, "; ".join(errors)))
             continue
-          for data, fsdp, zero in _data_splits(rest):
+          for data, fsdp, zero in _data_splits(rest, context * expert):
             shards = data * fsdp * expert
             if batch % shards:
               rejected.append((f"{named},data={data},fsdp={fsdp}",
@@ -129,11 +129,11 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   return Plan(ranked, rejected, considered)
 
 
-def _data_splits(rest: int):
-  """(data, fsdp, zero stage): plain data parallelism and ZeRO-1/2 over `data`, FSDP, and
-  hybrids of the two."""
+def _data_splits(rest: int, zero_group: int):
+  """(data, fsdp, zero stage): plain data parallelism and ZeRO-1/2 over data x context x
+  expert (`zero_group`: context x expert, sharding.rules.ZERO_AXES), FSDP, and hybrids."""
   for zero in (0, 1, 2):
-    if zero == 0 or rest > 1:
+    if zero == 0 or rest * zero_group > 1:
       yield rest, 1, zero
   for fsdp in divisors(rest)[1:]:
     yield rest // fsdp, fsdp, 0
