@@ -17,7 +17,7 @@ import pytest
 from configs import llama
 from models.fp8.config import Fp8Config
 from sharding import MeshConfig
-from trainer import checkpoint, loop
+from trainer import checkpoint, loop, sample
 from trainer.trainer import Trainer
 
 MESHTRON = os.path.join(os.path.dirname(sys.executable), "meshtron")
@@ -269,3 +269,40 @@ def test_switching_the_fp8_recipe_on_resume(tmp_path):
   assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == files
   loop.run(fp8_run("rowwise", 4), str(tmp_path))
   assert committed(tmp_path) == [2, 4] and sorted(rows(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_eval_and_sampling_stop_between_batches_and_chunks():
+  """Issue [27]: long loops honour a pending stop. Eval asks before each batch after the first
+  and gives up (None, no eval loss); sampling asks between compiled chunks of tokens and returns
+  what it made. The tokens do not depend on the chunk size."""
+  trainer = Trainer(tiny_run(eval_batches=6))
+  trainer.init_state()
+  asked = []
+  assert trainer.evaluate(lambda: asked.append(1) or len(asked) == 2) is None
+  assert len(asked) == 2  # before batches 2 and 3: two batches ran
+  assert np.isfinite(trainer.evaluate())
+  args = (trainer.unsharded_graphdef(), trainer.model_params(), [1, 2, 3], 10)
+  whole = sample.generate(*args, window=32, temperature=1.0, seed=3)
+  assert len(whole) == 10
+  np.testing.assert_array_equal(sample.generate(*args, window=32, temperature=1.0, seed=3,
+                                                chunk=3), whole)
+  cut = sample.generate(*args, window=32, temperature=1.0, seed=3, chunk=4,
+                        should_stop=lambda: True)
+  np.testing.assert_array_equal(cut, whole[:4])  # the first chunk, then the stop
+
+
+@pytest.mark.slow
+def test_sigterm_while_sampling_ends_the_sample_and_exits_zero(tmp_path):
+  """A 10-million-token sample after the last step: SIGTERM stops it at the next chunk; the
+  run exits 0 with the final checkpoint and the tokens made so far in sample.txt."""
+  proc = subprocess.Popen(command(tmp_path, "--config.sample_tokens=10000000"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=environment(), cwd=REPO)
+  wait_for(lambda: (tmp_path / "loss.png").exists() or proc.poll() is not None, interval=0.05)
+  time.sleep(2)  # into the sampling loop
+  proc.send_signal(signal.SIGTERM)
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 0, stderr[-2000:]
+  assert "Traceback" not in stderr
+  assert "SIGTERM: sampling stopped after" in stdout and committed(tmp_path)[-1] == 12
+  assert (tmp_path / "sample.txt").read_text()

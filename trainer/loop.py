@@ -95,13 +95,12 @@ def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer) -> dic
       peak_flops=peak, log_every=cfg.log_every, enabled=is_writer)
   stops = preemption.StopRequests(cfg.checkpoint.preemption_signals)
   try:
-    finished = _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir)
+    if _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir):
+      finish(trainer, workdir, is_writer, stops)
   finally:
     stops.close()
     progress.close()
     ckpt.close()
-  if finished:
-    finish(trainer, workdir, is_writer)
   return progress.last
 
 
@@ -156,9 +155,10 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
           fingerprint = next_fingerprint
         ckpt.check()  # a failed asynchronous save stops the run here, not steps later
         stop = stops.should_stop()
-        eval_due = step % cfg.eval_every == 0 or step == cfg.steps
-        if eval_due:
-          flush({"eval_loss": trainer.evaluate()})
+        if not stop and (step % cfg.eval_every == 0 or step == cfg.steps):
+          eval_loss = trainer.evaluate(stops.should_stop)  # None: a stop cut it short
+          flush({"eval_loss": eval_loss} if eval_loss is not None else None)
+          stop = eval_loss is None
         if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or stop:
           flush()  # a non-finite step raises here, before anything is saved
           ckpt.save(step, trainer.state, step_data_state, meta, wait=stop or step == cfg.steps)
@@ -180,9 +180,10 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
   return True
 
 
-def finish(trainer: Trainer, workdir: str, is_writer: bool) -> None:
+def finish(trainer: Trainer, workdir: str, is_writer: bool, stops) -> None:
   """The run's loss-curve PNG and a sample of generated text (every process samples: the
-  parameters are global arrays; only the writer writes)."""
+  parameters are global arrays; only the writer writes). A stop signal while sampling (the last
+  checkpoint is saved by then) ends the sample early: what was made is written."""
   cfg = trainer.cfg
   if is_writer:
     plot.plot_losses(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss.png"),
@@ -193,13 +194,17 @@ def finish(trainer: Trainer, workdir: str, is_writer: bool) -> None:
       prompt = [trainer.tokenizer.bos_id] + prompt
     ids = sample.generate(trainer.unsharded_graphdef(), trainer.model_params(), prompt,
                           cfg.sample_tokens, window=cfg.seq_len,
-                          temperature=cfg.sample_temperature, seed=cfg.seed)
+                          temperature=cfg.sample_temperature, seed=cfg.seed,
+                          should_stop=stops.should_stop)
     if not is_writer:
       return
+    if len(ids) < cfg.sample_tokens:
+      print(f"{stops.requested}: sampling stopped after {len(ids)} of {cfg.sample_tokens}"
+            " tokens (the final checkpoint was already saved)")
     text = cfg.sample_prompt + trainer.tokenizer.decode(ids)
     with open(os.path.join(workdir, "sample.txt"), "w", encoding="utf-8") as f:
       f.write(text)
     logging.info("sample:\n%s", text)
-    print(f"--- sample ({cfg.sample_tokens} tokens, temperature {cfg.sample_temperature}) ---")
+    print(f"--- sample ({len(ids)} tokens, temperature {cfg.sample_temperature}) ---")
     print(text)
   print(f"wrote {workdir}/metrics.jsonl, loss.png, sample.txt, tensorboard/")

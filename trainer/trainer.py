@@ -174,8 +174,9 @@ class Trainer:
     return {k: jax.make_array_from_process_local_data(self.batch_sharding[k], local_batch[k])
             for k in BATCH_KEYS}
 
-  def evaluate(self) -> float:
-    """Mean eval loss over the same `eval_batches` batches every time."""
+  def evaluate(self, should_stop=lambda: False) -> float | None:
+    """Mean eval loss over the same `eval_batches` batches every time; None when `should_stop()`
+    (asked before each batch after the first, on every process) cut it short."""
     if self.cfg.data.eval_fraction == 0 or self.cfg.data.source == "synthetic":
       it = None
     else:
@@ -184,7 +185,9 @@ class Trainer:
       return float("nan")
     nll, tokens = 0.0, 0.0
     with self.scope():
-      for _ in range(self.cfg.eval_batches):
+      for i in range(self.cfg.eval_batches):
+        if i and should_stop():
+          return None
         out = jax.device_get(self.eval_step(self.state.params, self.to_device(next(it))))
         nll, tokens = nll + float(out["nll_sum"]), tokens + float(out["tokens"])
     return nll / max(tokens, 1.0)
