@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -299,6 +300,25 @@ def test_a_second_ctrl_c_stops_at_once_without_saving():
                         env=environment(), cwd=REPO, timeout=120)
   assert proc.returncode == 130
   assert proc.stderr.strip().splitlines()[-1].startswith("meshtron: error: interrupted again")
+
+
+def test_a_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
+  """Issue [27]: a Ctrl-C before training has installed its handlers (here while the step
+  compiles) ends with one line and 130. Before, the line was followed by a native segmentation
+  fault dump from the interpreter's shutdown around JAX's running threads."""
+  proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "meshtron"), "train",
+                           "--config=debug", f"--workdir={tmp_path}", "--cpu_devices=1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=environment(), cwd=REPO)
+  try:
+    proc.wait(timeout=6)  # into the start-up: JAX imported, the step compiling
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130, stderr[-2000:]
+  assert "Fatal Python error" not in stderr and "Traceback" not in stderr
+  assert stderr.strip().splitlines()[-1] == "meshtron: error: interrupted; nothing was saved"
+  assert not (tmp_path / "checkpoints").exists()
 
 
 def two_free_ports() -> int:
