@@ -225,8 +225,8 @@ def _exchange(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchan
 
 
 def _varying(x, axes):
-  """x typed as varying over `axes` too (shard_map's varying-axes check; a no-op without it):
-  the rounds' loop carries must have the type of what a round adds to them."""
+  """x typed as varying over `axes` too (shard_map's varying-axes check): the rounds' loop
+  carries must have the type of what a round adds to them."""
   extra = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
   return jax.lax.pcast(x, extra, to="varying") if extra else x
 
