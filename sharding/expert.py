@@ -102,7 +102,6 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
                        partial_axes=partial_axes, exchange=layout.exchange,
                        exchange_capacity=layout.exchange_capacity, sync_axes=axes.every,
-                       in_replica_vmap=layout.in_replica_vmap,
                        **static)
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
@@ -150,7 +149,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,
-                partial_axes, exchange, exchange_capacity=0.0, sync_axes=(), in_replica_vmap=False):
+                partial_axes, exchange, exchange_capacity=0.0, sync_axes=()):
   """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
   b, l, d = x_BLD.shape
   k = ids_BLk.shape[-1]
@@ -165,10 +164,7 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   else:
     n = _size(expert_axes)
     worst = tokens * min(k, num_experts // n)  # all my tokens' assignments to one device
-    # Under the replicas' vmap (gradient accumulation over data) one worst-case round: JAX 0.10
-    # batches a while loop there with types that its varying-axes check then refuses (the
-    # round counter's carry varies over the vmapped axis, the routing counts do not).
-    capacity = worst if not exchange_capacity or in_replica_vmap else min(
+    capacity = worst if not exchange_capacity else min(
         worst, max(1, math.ceil(exchange_capacity * assignments / n)))
     y_sorted = _exchange(x_sorted, counts, params, expert_fn, expert_axes, capacity, worst,
                          exchange, sync_axes)
@@ -236,10 +232,47 @@ def _rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
   """sum over r < rounds of round_fn(x_sorted, counts, params, r), in a while loop: its trip
   count is the data's, so autodiff cannot reverse it; the backward below runs the rounds again,
   each round's forward recomputed inside its vjp (residuals: the inputs only)."""
+  return _per_replica(functools.partial(_forward_rounds, round_fn))(
+      zeros, rounds, x_sorted, counts, *params)
+
+
+def _forward_rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
+  # Typed like the rows too: one replica's rows (per_replica) vary over the vmapped mesh axis.
+  zeros = _varying(zeros, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
+
   def body(carry):
     r, y = carry
     return r + 1, y + round_fn(x_sorted, counts, params, r)
   return jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.zeros_like(rounds), zeros))[1]
+
+
+def _backward_rounds(round_fn, rounds, x_sorted, counts, g, *params):
+  def body(carry):
+    r, dx, dparams = carry
+    _, pullback = jax.vjp(lambda x, p: round_fn(x, counts, p, r), x_sorted, params)
+    ddx, ddparams = pullback(g)
+    return r + 1, dx + ddx, jax.tree.map(jnp.add, dparams, ddparams)
+
+  init = (jnp.zeros_like(rounds), jnp.zeros_like(x_sorted), jax.tree.map(jnp.zeros_like, params))
+  _, dx, dparams = jax.lax.while_loop(lambda c: c[0] < rounds, body, init)
+  return dx, *dparams
+
+
+def _per_replica(fn):
+  """fn, which under jax.vmap (the data-parallel replicas' of gradient accumulation) runs once
+  per replica in a Python loop instead of batched. Batched, its while loop would take a batched
+  predicate, and JAX 0.10 types the batched loop's carry as varying over the vmapped mesh axis
+  and its closed-over routing counts as not: ops mixing the two fail shard_map's check."""
+  wrapped = custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    outs = [fn(*(a[i] if batched else a for a, batched in zip(args, in_batched)))
+            for i in range(axis_size)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+    return stacked, jax.tree.map(lambda _: True, stacked)
+
+  return wrapped
 
 
 def _rounds_forward(round_fn, zeros, rounds, x_sorted, counts, *params):
@@ -249,15 +282,8 @@ def _rounds_forward(round_fn, zeros, rounds, x_sorted, counts, *params):
 
 def _rounds_backward(round_fn, residuals, g):
   rounds, x_sorted, counts, params = residuals
-
-  def body(carry):
-    r, dx, dparams = carry
-    _, pullback = jax.vjp(lambda x, p: round_fn(x, counts, p, r), x_sorted, params)
-    ddx, ddparams = pullback(g)
-    return r + 1, dx + ddx, jax.tree.map(jnp.add, dparams, ddparams)
-
-  init = (jnp.zeros_like(rounds), jnp.zeros_like(x_sorted), jax.tree.map(jnp.zeros_like, params))
-  _, dx, dparams = jax.lax.while_loop(lambda c: c[0] < rounds, body, init)
+  dx, *dparams = _per_replica(functools.partial(_backward_rounds, round_fn))(
+      rounds, x_sorted, counts, g, *params)
   return (None, None, dx, None, *dparams)
 
 

@@ -61,6 +61,14 @@ LAYOUTS = {
     "expert=2,tensor=2,data=2,dropless,ga=2,remat=full": (M(expert=2, tensor=2, data=2), MOE,
                                                           dict(microbatches=2, remat="full")),
     "expert=2,tensor=2,data=2,dropping": (M(expert=2, tensor=2, data=2), DROPPING, {}),
+    # Rounds of a quarter of a pair's balanced share (4 of 16 rows): the heaviest pair has at
+    # least the mean 16 rows, so at least 4 rounds run in every MoE layer.
+    "expert=8,dropless,exchange_capacity=0.25": (
+        M(expert=8), dataclasses.replace(MOE, exchange_capacity=0.25), {}),
+    # The rounds inside the replicas' vmap (gradient accumulation over data): 0.25 x 32 rows.
+    "expert=4,data=2,dropless,ga=2,exchange_capacity=0.25": (
+        M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25),
+        dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
 }
