@@ -235,10 +235,16 @@ def test_the_anchor_table_is_rendered_from_the_committed_results():
   from tests.docs_text import section
   shown = section("planning", step_time_anchors.BEGIN, step_time_anchors.END)
   assert shown.strip() == rows.strip()
-  table = [line for line in rows.splitlines()[2:] if line.startswith("| ")]
+  anchors_table, _, rest = rows.partition("\n\n")
+  table = [line for line in anchors_table.splitlines()[2:] if line.startswith("| ")]
   assert len(table) == len(step_time_anchors.ANCHORS)  # a row per anchor, in their order
   for a, line in zip(step_time_anchors.ANCHORS, table):
     assert line.startswith(f"| {a.name} ({a.release}) |")
+  # Then the planner checks: a row per compiled anchor (benchmarks/anchor_planner.py).
+  compiled = [a for a, line in zip(step_time_anchors.ANCHORS, table) if "refused" not in line
+              and "failed" not in line]
+  checks = [line for line in rest.splitlines() if line.startswith("| ")][2:]  # past its head
+  assert [line.split(" | ")[0] for line in checks] == [f"| {a.name}" for a in compiled]
 
 
 def test_cudnn_attention_backward_costs_five_matmuls_and_the_forward_two():
