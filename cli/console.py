@@ -44,9 +44,13 @@ def quiet_unraisable_asyncio() -> None:
   sys.unraisablehook = hook
 
 
-def fail(message: str, code: int = 1) -> None:
-  """Ends the command with one line on stderr."""
+def fail(message: str, code: int = 1, at_once: bool = False) -> None:
+  """Ends the command with one line on stderr; `at_once`: without the interpreter's shutdown
+  (os._exit, the streams flushed), which native threads still running can crash."""
   print(f"meshtron: error: {message}", file=sys.stderr, flush=True)
+  if at_once:
+    sys.stdout.flush()
+    os._exit(code)
   sys.exit(code)
 
 

@@ -30,13 +30,10 @@ def main() -> None:
   try:
     run()
   except KeyboardInterrupt:  # before training installed its own Ctrl-C handling
-    # Exits at once: a Ctrl-C during start-up can leave native threads (a compile, the data
-    # loader) running, and the interpreter's shutdown around them crashed (a segmentation fault
-    # dump after the line). Nothing is left to save or flush but the two streams.
-    print("meshtron: error: interrupted; nothing was saved", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
+    # At once: a Ctrl-C during start-up can leave native threads (a compile, the data loader)
+    # running, and the interpreter's shutdown around them crashed (a segmentation fault dump
+    # after the line). Nothing is left to save.
+    fail("interrupted; nothing was saved", code=130, at_once=True)
 
 
 def run() -> None:

@@ -95,10 +95,10 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
   axes = ExpertAxes(expert_axes, partial_axes,
                     tuple(sorted(token_axes - {*expert_axes, *partial_axes})))
   static["expert_fn"] = functools.partial(expert_fn, axes=axes)
-  # The rounds' count is agreed over every axis of the region (fp8 amaxes are pmax'ed over
-  # them inside each round); not over a pipeline's stages, which run other ticks' work.
 
   def body(x, ids, weights, *local_params):
+    # The rounds' count is agreed over every axis of the region (fp8 amaxes are pmax'ed over
+    # them inside each round); not over a pipeline's stages, which run other ticks' work.
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
                        partial_axes=partial_axes, exchange=layout.exchange,
                        exchange_capacity=layout.exchange_capacity, sync_axes=axes.every,
