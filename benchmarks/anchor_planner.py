@@ -9,6 +9,7 @@ ratio is analytic / compiled; nothing here is fitted to the other.
 
 from benchmarks.anchor_recipes import Anchor, config
 from sharding.plan import hardware, planner
+from sharding.plan.estimate import model_spec
 
 TOP = 3  # the issue's rank
 AGREEMENT = 0.2  # the issue's +-20%
@@ -19,7 +20,7 @@ def planner_fields(a: Anchor, layout, compiled_tokens_per_s: float) -> dict:
   planner does not generate it, or rejects it), and the planner's first layout."""
   cfg = config(a)
   hw, precision = hardware.PROFILES["h100"], cfg.precision()
-  mine = planner.evaluate(cfg.model, layout, a.seq_len, precision, hw)
+  mine = planner.evaluate(model_spec(cfg.model, cfg.compute), layout, a.seq_len, precision, hw)
   result = planner.plan(cfg.model, a.gpus, a.seq_len, a.batch_size * a.seq_len, precision, hw)
   names = [c.layout.string() for c in result.ranked]
   rank = names.index(layout.string()) + 1 if layout.string() in names else None

@@ -115,9 +115,13 @@ ANCHORS = (
            " llama31_405b_pretrain_1024gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
            " 311)", 326, FP8_CS, "llama3_405b", 1024,
            dict(data=8, tensor=8, pipeline=8, context=2, virtual_stages=8,
-                pipeline_schedule="interleaved_1f1b", sequence_parallel=True), 1536, 8192, 192,
+                pipeline_schedule="interleaved_1f1b", sequence_parallel=True, zero_stage=1),
+           1536, 8192, 192,
            "none",
-           "TP overlap by userbuffers; cuDNN attention", compute=_fp8(), master_weights=True),
+           "TP overlap by userbuffers; cuDNN attention; context parallelism by all-gathered"
+           " keys and values (Megatron's default: the p2p ring, which meshtron cannot run inside"
+           " pipeline stages)", compute=_fp8() + (("context_impl", "allgather"),),
+           master_weights=True),
     Anchor("Llama-3.1-405B, PP16 TP8 (before)", "issue [26]'s 'before' program: the 405B on"
            " 16 stages x tensor 8, the layout meshtron accepted nearest the Megatron-Bridge"
            " recipe (which needs pipeline x context)", "26.06 (the figure of the row above)",

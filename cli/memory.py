@@ -67,6 +67,8 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
   hw = hardware.load_profile(gpu)
   if model:
     spec, lay = model_by_name(model), layouts.parse(layout)
+    if lay.context > 1:  # the layout's cp_impl (plan writes allgather for pipeline x context)
+      spec = dataclasses.replace(spec, context_impl=lay.context_impl)
     chosen, title = precision_by_name(precision), model
   else:
     if layout or not config_given:

@@ -48,6 +48,8 @@ def train_config(model: str, layout: Layout, seq: int):
   cfg.mesh = layout.mesh_config()
   cfg.seq_len, cfg.batch_size, cfg.microbatches = seq, layout.global_batch, layout.microbatches
   cfg.compute = dataclasses.replace(cfg.compute, remat=layout.remat)
+  if layout.context > 1:
+    cfg.compute = dataclasses.replace(cfg.compute, context_impl=layout.context_impl)
   return cfg
 
 
@@ -59,6 +61,8 @@ def write_config(path: str, model: str, layout: Layout, seq: int) -> bool:
     return False
   mesh = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(layout.mesh_config()).items()
                    if k not in ("dcn", "allow_tensor_across_hosts"))
+  impl = (f"\n  cfg.compute.context_impl = {layout.context_impl!r}"
+          if layout.context > 1 and layout.context_impl != "ring" else "")
   text = f'''"""{model} with the layout chosen by `meshtron plan`: {layout.string()}."""
 
 from configs import {module.__name__.split(".")[-1]}
@@ -71,7 +75,7 @@ def get_config():
   cfg.seq_len = {seq}
   cfg.batch_size = {layout.global_batch}  # sequences per step: mbs x ga x data x fsdp x expert
   cfg.microbatches = {layout.microbatches}
-  cfg.compute.remat = {layout.remat!r}
+  cfg.compute.remat = {layout.remat!r}{impl}
   return cfg
 '''
   with open(path, "w") as f:

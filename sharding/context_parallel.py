@@ -13,6 +13,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from sharding.mesh import LayoutError
 from sharding.scope import constrain, spec
+from sharding.shard_map import stage_shard_map
 
 CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")
 # The hybrid's two factors of `context`: axes of a mesh view that exists only inside its shard_map
@@ -176,6 +177,13 @@ def context_attention(layout, kernel: Callable, q, k, v, positions, segment_ids,
   # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
   # the result equal to one device.
   check = not layout.in_replica_vmap and (check_vma_on_cpu or layout.platform != "cpu")
+  if layout.in_pipeline_stage:
+    # Nested in a stage's shard_map (manual over the pipeline and the replicas' axes): the
+    # region names the stage's abstract mesh, and its gradient recomputes the attention
+    # (sharding.shard_map.stage_shard_map says why JAX's own cannot be used there).
+    # (ring and ulysses_ring are refused there: sharding/resolution.py.)
+    return stage_shard_map(per_device, layout.stage_mesh(), specs, out_spec, check,
+                           opaque=True)(q, k, v, positions, segment_ids)
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
                          check_vma=check)
   return mapped(q, k, v, positions, segment_ids)

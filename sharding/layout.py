@@ -18,6 +18,7 @@ import math
 
 from jax.sharding import AxisType, Mesh
 
+from sharding.context_parallel import CONTEXT_IMPLS
 from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig
 from sharding.pipeline import schedules, stage_split
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
@@ -28,7 +29,8 @@ REMATS = ("none", "selective", "full")
 # Input aliases (the playbook's names and short switch names) -> Layout fields.
 ALIASES = {"dp": "data", "pp": "pipeline", "ep": "expert", "cp": "context", "tp": "tensor",
            "zero": "zero_stage", "sp": "sequence_parallel", "schedule": "pipeline_schedule",
-           "vpp": "virtual_stages", "mbs": "micro_batch", "ga": "microbatches"}
+           "vpp": "virtual_stages", "mbs": "micro_batch", "ga": "microbatches",
+           "cp_impl": "context_impl"}
 # The switches a MeshConfig and a Layout share (besides the six sizes).
 MESH_SWITCHES = ("zero_stage", "sequence_parallel", "pipeline_schedule", "virtual_stages",
                  "stage_layers", "vocab_over_fsdp")
@@ -264,6 +266,8 @@ class Layout:
       switches.append(f"vpp={self.virtual_stages}")
     if self.stage_layers:
       switches.append(f"stage_layers={self.stage_layers}")
+    if self.context > 1 and self.context_impl != "ring":
+      switches.append(f"cp_impl={self.context_impl}")
     return ",".join(axes + switches)
 
   def mesh_config(self) -> MeshConfig:
@@ -295,16 +299,16 @@ def parse(text: str) -> Layout:
     elif field == "stage_layers":
       stage_split.parse(value)
       values[field] = value
-    elif field in ("remat", "pipeline_schedule", "vocab_over_fsdp"):
+    elif field in ("remat", "pipeline_schedule", "vocab_over_fsdp", "context_impl"):
       allowed = {"remat": REMATS, "pipeline_schedule": schedules.SCHEDULES,
-                 "vocab_over_fsdp": ("auto", "on", "off")}[field]
+                 "vocab_over_fsdp": ("auto", "on", "off"), "context_impl": CONTEXT_IMPLS}[field]
       if value not in allowed:
         raise LayoutError(f"layout {key}={value!r} is not one of {', '.join(allowed)}")
       values[field] = value
     else:
       raise LayoutError(f"unknown layout key {key!r}; keys: {', '.join(_INTS)}, remat,"
                         " sequence_parallel (sp), pipeline_schedule (schedule), vocab_over_fsdp,"
-                        " stage_layers;"
+                        " stage_layers, context_impl (cp_impl);"
                         f" aliases {', '.join(ALIASES)}")
   layout = Layout(**values)
   check_switches(layout)

@@ -44,7 +44,7 @@ def layout_of(mesh: MeshConfig, num_devices: int, model, compute=None, *, batch_
         " devices")
   layout = Layout(**sizes, **{k: getattr(mesh, k) for k in MESH_SWITCHES},
                   micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
-                  remat=compute.remat)
+                  remat=compute.remat, context_impl=compute.context_impl)
   _check_model_fits(layout, model, compute, seq_len)
   layout.splits_vocab(model.vocab_size, seq_len)  # a bad vocab_over_fsdp setting is an error
   return layout
@@ -56,11 +56,8 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
     raise LayoutError(f"stage_layers={layout.stage_layers} splits layers over pipeline stages,"
                       " but pipeline=1: set pipeline > 1 or stage_layers=''")
   if stages > 1:
-    # A shard_map inside a pipeline stage must name the stage's abstract mesh, which the
-    # context-parallel attention wrappers do not yet do.
-    if layout.context > 1:
-      raise LayoutError("pipeline parallelism does not yet support context parallelism; use"
-                        " context=1 or pipeline=1")
+    if layout.context > 1 and compute.context_impl in RING_IMPLS:
+      raise LayoutError(_PIPELINE_RING.format(impl=compute.context_impl))
     layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
@@ -82,6 +79,16 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
         [f"context x tensor = {context * tensor} (sequence parallelism)"]
         if layout.sequence_parallel else [])
     raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
+
+
+# The ring's collective-permutes would run inside the stage's per-tick branch, which the other
+# stages do not take at that tick; a collective-permute is one collective over every device
+# (the CPU runtime waits for all of them: a deadlock), where all-gathers and all-to-alls run
+# within the context group, whose devices share a stage and so its branch.
+RING_IMPLS = ("ring", "ulysses_ring")
+_PIPELINE_RING = ("context_impl={impl} sends its ring's blocks by collective-permutes, which cannot"
+                  " run inside a pipeline stage; with pipeline > 1 set"
+                  " compute.context_impl=allgather or ulysses")
 
 
 def _check_ulysses(impl: str, degree: int, context: int, local_heads: int) -> None:

@@ -81,15 +81,28 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
   return wrapped
 
 
-def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool) -> Callable:
+def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
+                    opaque: bool = False) -> Callable:
   """`fn` under a shard_map nested in a pipeline stage's (manual over the pipeline axis and the
   replicas'), differentiated by a second shard_map that recomputes it: JAX's own
   differentiation of a nested shard_map names the residuals it keeps with the outer manual axes
   too, which Shardy rejects ("manual axes come before free axes"). The arguments are the only
   residuals; the floating-point ones get gradients. `mesh`: the stage's abstract mesh
   (sharding.Layout.stage_mesh)."""
-  forward = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                          check_vma=check_vma)
+  region = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                         check_vma=check_vma)
+
+  def forward(*args):
+    if not opaque:
+      return region(*args)
+    # One trip of a while loop: a layer's remat policy keeps the loop's output and looks no
+    # further (JAX saves nothing from inside a while), where it would otherwise split the region
+    # to keep the values inside it it deems saveable (a collective's output), naming them with
+    # the stage's manual axes too (JAX 0.10), which Shardy rejects.
+    out = jax.eval_shape(region, *args)
+    first = varying_like(jnp.zeros(out.shape, out.dtype), args[0])
+    return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, region(*args)),
+                              (jnp.int32(0), first))[1]
 
   def differentiable(args) -> list[int]:
     return [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]

@@ -60,8 +60,12 @@ def test_layout_strings_use_the_mesh_names_and_round_trip():
 
 
 def test_layout_errors_are_one_line_and_before_compiling():
-  with pytest.raises(LayoutError, match="does not yet support context parallelism"):
-    harness.config(M(pipeline=2, context=2, data=2)).layout(8)
+  for impl in ("ring", "ulysses_ring"):  # collective-permutes cannot run inside a stage
+    cfg = harness.config(M(pipeline=2, context=2, data=2), compute=dataclasses.replace(
+        harness.COMPUTE, context_impl=impl, ulysses_degree=2 if impl == "ulysses_ring" else 0))
+    with pytest.raises(LayoutError, match=f"context_impl={impl} sends its ring's blocks by"
+                       " collective-permutes, .* set compute.context_impl=allgather or ulysses"):
+      cfg.layout(8)
   cfg = harness.config(M(pipeline=2, data=4), microbatches=2)
   cfg.compute = dataclasses.replace(cfg.compute, attention_impl="pallas_flash")
   cfg.layout(8)  # a GPU runs it; on CPU the run's resolution refuses it, before compiling

@@ -72,6 +72,21 @@ def test_every_schedule_on_4_and_8_stages_equals_one_device(stages, schedule, vi
   check(stages, schedule, virtual, mesh, layers, references)
 
 
+@pytest.mark.parametrize("mesh,impl", [
+    (dict(data=2, context=2), "allgather"),
+    (dict(tensor=2, context=2, sequence_parallel=True), "ulysses"),
+    (dict(context=4, pipeline_schedule="interleaved_1f1b", virtual_stages=2), "allgather"),
+], ids=["context=2,data=2,allgather", "context=2,tensor=2,sp,ulysses",
+        "context=4,interleaved,allgather"])
+def test_context_parallelism_inside_the_stages_equals_one_device(mesh, impl, references):
+  """Each stage's attention runs the context-parallel kernel in a region nested in the stage's
+  (sharding.shard_map.stage_shard_map): 2 stages x the sequence split, 8 microbatches."""
+  cfg = MeshConfig(**{"data": 1, **mesh, "pipeline": 2})
+  compute = dataclasses.replace(harness.COMPUTE, context_impl=impl)
+  result = harness.run(cfg, microbatches=8, model=MODELS[4], compute=compute)
+  assert_same_training(result, references(4))
+
+
 def compiled(schedule, microbatches=32, batch=128, seq=16):
   cfg = harness.config(MeshConfig(data=2, pipeline=4, pipeline_schedule=schedule),
                        microbatches=microbatches, model=MODELS[4])

@@ -101,6 +101,21 @@ def test_plan_shards_the_optimizer_over_expert_where_data_is_1():
   assert memory[1] < memory[0]
 
 
+def test_plan_weighs_pipeline_with_context_by_the_all_gather_and_its_config_runs_it():
+  """The default ring cannot run inside pipeline stages (sharding/resolution.py): plan weighs
+  pipeline x context layouts with the all-gather instead, says so in the layout
+  (cp_impl=allgather, which parses back), and the config it writes runs that impl."""
+  from cli.presets import train_config
+  result = planner.plan(MODELS["llama3_70b"], 64, 8192, 2**21, PLAYBOOK_MIXED, H100)
+  both = [c.layout for c in result.ranked if c.layout.pipeline > 1 and c.layout.context > 1]
+  assert both and all(lay.context_impl == "allgather" for lay in both)
+  assert all(c.layout.context_impl == "ring" for c in result.ranked if c.layout.pipeline == 1)
+  lay = both[0]
+  assert lay.string().endswith(",cp_impl=allgather") and parse(lay.string()) == lay
+  cfg = train_config("llama3_70b", lay, 8192)
+  assert cfg.compute.context_impl == "allgather" and cfg.layout(64).context_impl == "allgather"
+
+
 def test_plan_70b_on_512_gpus_searches_the_whole_space():
   """70B on 512 GPUs: tens of thousands of layouts considered, thousands ranked. How long it
   takes (issue [18]'s bound: under 5 s) is benchmarks/planner_speed.py's, not a timed test's."""

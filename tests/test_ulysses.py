@@ -279,7 +279,7 @@ def test_the_degree_must_fit_the_impl(impl, degree):
 
 
 def test_the_planner_and_memory_know_ulysses():
-  """The planner rejects what the layout rejects; memory counts the replicated kv heads that
+  """The planner rejects what the layout rejects (the ring inside pipeline stages too); memory counts the replicated kv heads that
   Ulysses attends (2 kv heads, degree 8: 8 copies) and Ulysses' all-to-alls, not ring hops."""
   llama = estimate.model_spec(dataclasses.replace(harness.MODEL, num_heads=4, num_kv_heads=2),
                               ULYSSES)
@@ -287,7 +287,11 @@ def test_the_planner_and_memory_know_ulysses():
   assert planner.divisibility_errors(llama, Layout(context=8), 64) == [
       "query heads per tensor shard 4 not divisible by the Ulysses degree 8 (kv heads fewer"
       " than it are replicated, query heads cannot be)"]
-  gqa, ring = estimate.model_spec(GQA, ULYSSES), estimate.model_spec(harness.MODEL)
+  ring_model = estimate.model_spec(harness.MODEL)
+  assert planner.divisibility_errors(llama, Layout(context=2, pipeline=2), 64) == []
+  assert planner.divisibility_errors(ring_model, Layout(context=2, pipeline=2), 64) == [
+      "context_impl ring cannot run inside pipeline stages (allgather or ulysses can)"]
+  gqa, ring = estimate.model_spec(GQA, ULYSSES), ring_model
   gqa_ring = dataclasses.replace(gqa, context_impl="ring")
   layout, fp32 = Layout(context=8), estimate.trainer_precision("float32")
   extra = estimate.memory(gqa, layout, 64, fp32).activations - \

@@ -39,11 +39,20 @@ def sequence_chunks(model, context: int) -> int:
   return context * (2 if balanced and context > 1 else 1)
 
 
+def runnable_impl(impl: str, layout) -> str:
+  """The context-parallel impl `plan` weighs a layout with: `impl`, except that the default ring
+  cannot run inside pipeline stages (sharding.resolution), where the all-gather takes its place
+  (the layout's string then says cp_impl=allgather)."""
+  return "allgather" if impl == "ring" and layout.pipeline > 1 and layout.context > 1 else impl
+
+
 def errors(model, layout) -> list[str]:
-  """The Ulysses constraints a layout breaks, as sentences (sharding.layout checks the same
-  before compiling): the hybrid's degree divides `context`, the degree divides the query heads
-  per tensor shard (kv heads fewer than it are replicated)."""
+  """The context-parallel constraints a layout breaks, as sentences (sharding.layout checks the
+  same before compiling): no ring inside pipeline stages; the hybrid's degree divides `context`,
+  the degree divides the query heads per tensor shard (kv heads fewer than it are replicated)."""
   impl, degree = getattr(model, "context_impl", "ring"), getattr(model, "ulysses_degree", 0)
+  if layout.context > 1 and layout.pipeline > 1 and impl in ("ring", "ulysses_ring"):
+    return [f"context_impl {impl} cannot run inside pipeline stages (allgather or ulysses can)"]
   if layout.context == 1 or impl not in ("ulysses", "ulysses_ring"):
     return []
   if impl == "ulysses" and degree not in (0, layout.context):

@@ -97,7 +97,11 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
           model_split = dict(tensor=tensor, pipeline=pipeline, context=context, expert=expert)
           named = ",".join(f"{k}={v}" for k, v in model_split.items())
           rest = num_gpus // (tensor * pipeline * context * expert)
-          errors = divisibility_errors(m, Layout(data=rest, **model_split), seq_len)
+          impl = context_parallel.runnable_impl(m.context_impl, Layout(**model_split))
+          if impl != m.context_impl:
+            model_split["context_impl"] = impl
+          here = dataclasses.replace(m, context_impl=impl)
+          errors = divisibility_errors(here, Layout(data=rest, **model_split), seq_len)
           if errors:
             rejected.append((named, "; ".join(errors)))
             continue
@@ -117,13 +121,13 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                              microbatches=per_replica // mbs, **model_split, **extra)
                 considered += 1
                 if lay.sequence_parallel and seq_len % (
-                    context_parallel.sequence_chunks(m, context) * tensor):
+                    context_parallel.sequence_chunks(here, context) * tensor):
                   continue
-                mem = memory(m, lay, seq_len, precision)
+                mem = memory(here, lay, seq_len, precision)
                 if mem.total > hw.memory_bytes:
                   rejected.append((lay.string(), _too_big(mem, hw)))
                   continue
-                time = hardware.step_time(m, lay, seq_len, precision, hw, order)
+                time = hardware.step_time(here, lay, seq_len, precision, hw, order)
                 ranked.append(Candidate(lay, mem, time, True))
   ranked.sort(key=lambda c: (-c.time.tokens_per_s_per_gpu, c.memory.total))
   return Plan(ranked, rejected, considered)
