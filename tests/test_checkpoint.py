@@ -219,6 +219,9 @@ def test_unusable_checkpoints_are_one_line_errors_and_left_untouched(tmp_path):
   victim = max((p for p in state_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
   size = victim.stat().st_size
+  with pytest.raises(checkpoint.ChecksumError, match="checkpoints/4 fails its checksums: state/"):
+    loop.run(tiny_run(steps=8), str(tmp_path))
+  (tmp_path / "checkpoints" / "4" / "checksums.json").unlink()  # unverified: orbax's own error
   with pytest.raises(checkpoint.CheckpointError, match="checkpoints/4 could not be restored"):
     loop.run(tiny_run(steps=8), str(tmp_path))
   assert victim.stat().st_size == size and committed(tmp_path) == [4]  # nothing overwritten
@@ -226,6 +229,47 @@ def test_unusable_checkpoints_are_one_line_errors_and_left_untouched(tmp_path):
     cfg = tiny_run()
     cfg.checkpoint.restore_from = str(tmp_path / "nowhere")
     loop.run(cfg, str(tmp_path / "fresh"))
+
+
+def _file_hashes(directory) -> dict:
+  import hashlib
+  return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_checksums_catch_a_checkpoint_altered_in_place_and_fall_back_only_when_asked(tmp_path):
+  """Each committed checkpoint gets a SHA-256 of every file. One bit flipped in the newest: the
+  resume stops in one line naming the checkpoint and the file, changing nothing on disk; with
+  fallback_on_corruption it is moved to corrupt/ and the run resumes from the one before,
+  redoing the lost steps exactly."""
+  loop.run(tiny_run(steps=8), str(tmp_path))
+  checkpoints = tmp_path / "checkpoints"
+  for step in (4, 8):
+    listed = json.loads((checkpoints / str(step) / "checksums.json").read_text())["files"]
+    on_disk = {str(p.relative_to(checkpoints / str(step))) for p in
+               (checkpoints / str(step)).rglob("*") if p.is_file()} - {"checksums.json"}
+    assert set(listed) == on_disk and any(name.startswith("state/") for name in listed)
+  first_run = rows(tmp_path)
+  victim = max((p for p in (checkpoints / "8" / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+  altered = bytearray(victim.read_bytes())
+  altered[len(altered) // 2] ^= 1  # one bit, same size
+  victim.write_bytes(bytes(altered))
+  snapshot = _file_hashes(checkpoints)
+  name = str(victim.relative_to(checkpoints / "8"))
+  with pytest.raises(checkpoint.ChecksumError, match=(
+      rf"checkpoints/8 fails its checksums: {name} has changed since it was written; it is left"
+      r" untouched: set --config.checkpoint.fallback_on_corruption=true")):
+    loop.run(tiny_run(steps=8), str(tmp_path))
+  assert _file_hashes(checkpoints) == snapshot and committed(tmp_path) == [4, 8]
+  cfg = tiny_run(steps=8)
+  cfg.checkpoint.fallback_on_corruption = True
+  loop.run(cfg, str(tmp_path))
+  assert [p.name.split(".")[0] for p in (checkpoints / "corrupt").iterdir()] == ["8"]
+  assert committed(tmp_path) == [4, 8]
+  assert checkpoint.checksums.verify(str(checkpoints / "8")) is None  # the new step 8 passes
+  again = rows(tmp_path)
+  assert [again[s]["loss"] for s in range(5, 9)] == [first_run[s]["loss"] for s in range(5, 9)]
 
 
 def test_a_checkpoint_the_run_cannot_read_is_refused_before_compiling(tmp_path, monkeypatch):

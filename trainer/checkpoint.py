@@ -7,6 +7,7 @@ import json
 import re
 import os
 import shutil
+import threading
 import time
 
 import grain
@@ -15,6 +16,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from sharding.pipeline import stage_split
 
+from trainer import checksums
 from trainer.config import CheckpointConfig
 
 ITEMS = ("state", "data", "meta")
@@ -25,6 +27,10 @@ SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_he
 
 class CheckpointError(ValueError):
   """An unusable checkpoint (corrupt, incompatible, missing); the message names it."""
+
+
+class ChecksumError(CheckpointError):
+  """A checkpoint whose files differ from the checksums written when it was saved."""
 
 
 class _IteratorState:
@@ -54,6 +60,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._in_flight = None  # the step of the asynchronous save under way, if any
     self._failed = False  # a save failed (and was reported)
+    self._hashing = None  # the thread writing the last committed save's checksums
 
   def _set_aside_partial_saves(self) -> None:
     """Interrupted saves leave `<step>.orbax-checkpoint-tmp*` directories. They are never
@@ -82,14 +89,40 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                               meta=ocp.args.JsonSave(meta))
+    previous = self._in_flight
+    # orbax's save first waits for the previous one to commit: it can then be hashed.
     self._guard(lambda: self.manager.save(step, args=args, force=True), starting=step)
+    self._write_checksums(previous)
     self._in_flight = step
     if wait:
       self.wait()
 
   def wait(self) -> None:
     self._guard(self.manager.wait_until_finished)
+    self._write_checksums(self._in_flight)
     self._in_flight = None
+
+  def _write_checksums(self, step: int | None) -> None:
+    """Hashes committed checkpoint `step` on a thread (one at a time; process 0, the storage
+    being shared as orbax requires). A run stopped before it finishes leaves that checkpoint
+    without checksums: it restores unverified, as those written before checksums were."""
+    if step is None or not self.cfg.checksums or jax.process_index() != 0:
+      return
+    self._finish_checksums()
+    step_dir = os.path.join(self.directory, str(step))
+
+    def write():
+      try:
+        checksums.write(step_dir)
+      except OSError as e:  # removed meanwhile (kept checkpoints rotate), or unreadable
+        logging.warning("no checksums for %s (%s)", step_dir, _first_line(e))
+    self._hashing = threading.Thread(target=write, name=f"checksums-{step}", daemon=True)
+    self._hashing.start()
+
+  def _finish_checksums(self) -> None:
+    if self._hashing is not None:
+      self._hashing.join()
+      self._hashing = None
 
   def check(self) -> None:
     """Raises CheckpointError if an asynchronous save has failed since the last call."""
@@ -188,6 +221,7 @@ class Checkpointer:
     process count changed and the iterator could not be resumed."""
     path = os.path.join(self.directory, str(step))
     meta = self.check_fits(step, model_config, fp8_config)
+    self.verify(step)
     written = stage_split.from_meta(meta.get("stage_layers"))
     target = target_state
     if written != tuple(stage_layers):
@@ -215,10 +249,33 @@ class Checkpointer:
                             f" ({_first_line(e)})") from None
     return state, meta, same_count or shared_data_state
 
+  def verify(self, step: int) -> None:
+    """Raises ChecksumError if checkpoint `step`'s files differ from its checksums."""
+    path = os.path.join(self.directory, str(step))
+    problem = checksums.verify(path) if self.cfg.checksums else None
+    if problem:
+      raise ChecksumError(
+          f"checkpoint {path} fails its checksums: {problem}; it is left untouched: set"
+          " --config.checkpoint.fallback_on_corruption=true to resume from the newest earlier"
+          " checkpoint that passes, or move it away")
+    if self.cfg.checksums and not checksums.has_checksums(path):
+      logging.warning("checkpoint %s has no checksums (written before they were, or stopped"
+                      " before they were written): restoring it unverified", path)
+
+  def set_aside(self, step: int) -> str:
+    """Moves checkpoint `step` into `corrupt/` (never deleted) and returns where it went."""
+    aside = os.path.join(self.directory, "corrupt")
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, f"{step}.{int(time.time())}")
+    os.rename(os.path.join(self.directory, str(step)), target)
+    self.manager.reload()
+    return target
+
   def close(self) -> None:
     try:
       if not self._failed:  # a failed save was reported once; waiting would re-raise it
         self.wait()
+      self._finish_checksums()
     finally:
       try:
         self.manager.close()

@@ -107,6 +107,11 @@ class CheckpointConfig:
   # when the terminal closes); a second Ctrl-C (SIGINT) stops at once without saving.
   preemption_signals: str = "SIGTERM,SIGUSR1,SIGINT,SIGHUP"
   save_on_error: bool = True  # save the last good state when the loop raises
+  # A SHA-256 of each file, written once a save commits and checked before restoring it.
+  checksums: bool = True
+  # A checkpoint failing its checksums: move it to checkpoints/corrupt/ and resume from the
+  # newest earlier one that passes (else: stop with an error, changing nothing).
+  fallback_on_corruption: bool = False
   # Start from another run's checkpoint directory (or one step directory of it) when this
   # workdir has none; layouts and device counts may differ.
   restore_from: str = ""

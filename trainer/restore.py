@@ -33,9 +33,25 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
     return train_iter, 0, meta
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         trainer.abstract_state, trainer.shardings)
-  state, saved, data_ok = source.restore(step, target, train_iter, dataclasses.asdict(cfg.model),
-                                         not cfg.data.shard_documents_by_process,
-                                         trainer.stage_layers, fp8_config=cfg.compute.fp8)
+  while True:
+    try:
+      state, saved, data_ok = source.restore(
+          step, target, train_iter, dataclasses.asdict(cfg.model),
+          not cfg.data.shard_documents_by_process, trainer.stage_layers,
+          fp8_config=cfg.compute.fp8)
+      break
+    except checkpoint.ChecksumError as e:
+      earlier = [s for s in source.manager.all_steps() if s < step]
+      if not cfg.checkpoint.fallback_on_corruption or source is not ckpt:
+        raise
+      if not earlier:
+        raise checkpoint.CheckpointError(f"{str(e).split('; it is left untouched')[0]}, and no"
+                                         " earlier checkpoint is left to fall back to: move it"
+                                         " away to start afresh") from None
+      logging.warning("%s", str(e).split("; it is left untouched")[0])
+      logging.warning("fallback_on_corruption: moved it to %s; trying step %d",
+                      source.set_aside(step), max(earlier))
+      step = max(earlier)
   if source is not ckpt:
     source.close()
   trainer.state = state
