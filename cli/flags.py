@@ -28,7 +28,7 @@ VERB_FLAGS = {
                "show_config", "overwrite"),
     "plan": ("model", "gpu", "nodes", "gpus_per_node", "gpus", "seq", "global_batch_tokens",
              "precision", "top_k", "compile_top", "out", "json", "overwrite"),
-    "convert": ("from", "to", "model_dir", "workdir", "out", "overwrite"),
+    "convert": ("from", "to", "model_dir", "workdir", "out", "overwrite", "cpu_devices"),
 }
 
 # All verbs.
@@ -187,10 +187,26 @@ def help_text(verb: str | None) -> str:
 
 
 def parse(argv: list[str]) -> list[str]:
-  """Flag parsing with one-line errors instead of tracebacks (unknown keys, wrong types)."""
+  """Flag parsing with one-line errors instead of tracebacks (unknown keys, wrong types, a flag
+  of another verb). argv[0] is "meshtron VERB"."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except KeyError as e:  # ml-collections: a config field that does not exist
     fail(f"unknown config key: {e.args[0]}")
   except (flags.Error, ValueError, TypeError) as e:
     fail(str(e).splitlines()[0])
+  check_verb_flags(argv[0].split()[-1])
+  return rest
+
+
+def check_verb_flags(verb: str) -> None:
+  """A flag given on the command line that `verb` does not read is refused, not ignored (e.g.
+  `plan --workdir=...`, `memory --config.steps=3` with --model). absl's own flags pass."""
+  ours = {name for names in VERB_FLAGS.values() for name in names}
+  given = [name for name in flags.FLAGS if flags.FLAGS[name].present
+           and (name in ours or name.startswith("config."))]
+  allowed = set(VERB_FLAGS[verb])
+  for name in given:
+    if name not in allowed and not (name.startswith("config.") and "config" in allowed):
+      fail(f"--{name} does not apply to `meshtron {verb}`; its flags:"
+           f" {', '.join('--' + n for n in VERB_FLAGS[verb])} (meshtron {verb} --help)")

@@ -66,6 +66,9 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
   or of the TrainConfig `config` on `gpus` devices (default a node)."""
   hw = hardware.load_profile(gpu)
   if model:
+    if config_given:  # its fields would be ignored
+      raise ValueError("memory takes --model=NAME --layout=... or --config=PRESET|file.py with"
+                       " --config.a.b=value overrides, not both")
     spec, lay = model_by_name(model), layouts.parse(layout)
     if lay.context > 1:  # the layout's cp_impl (plan writes allgather for pipeline x context)
       spec = dataclasses.replace(spec, context_impl=lay.context_impl)
