@@ -62,11 +62,15 @@ def zigzag(batch: dict, layout) -> dict:
 
 def whole_sequence_sum(x, layout, axis: int = 1):
   """(sum, length) over the sequence dim `axis` of a [B, L, ...] value, over the whole sequence
-  also where the train step differentiates each device's part of it apart (inside the replicas'
+  also where the train step differentiates each device's part of it apart (in a pipeline
+  stage manual over the sequence axes, `Layout.stage_sequence_axes`; inside the replicas'
   vmap with `layout.gradient_sequence_axes`, whose axis SEQUENCE_PARTS runs over R replicas x
   C parts, replica-major): the sums of the C parts of this replica are added up. (A gather of
   the [R·C, B, ...] sums: psum takes no groups under vmap.)"""
   total, length = jnp.sum(x, axis=axis), x.shape[axis]
+  if layout.in_pipeline_stage and layout.stage_sequence_axes:  # manual there: its parts psum
+    return (jax.lax.psum(total, layout.stage_sequence_axes),
+            length * layout.sequence_parts)
   if layout.in_replica_vmap and layout.gradient_sequence_axes:
     parts = layout.sequence_parts
     every = jax.lax.all_gather(total, SEQUENCE_PARTS)
@@ -177,11 +181,15 @@ def context_attention(layout, kernel: Callable, q, k, v, positions, segment_ids,
   # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
   # the result equal to one device.
   check = not layout.in_replica_vmap and (check_vma_on_cpu or layout.platform != "cpu")
+  if layout.in_pipeline_stage and layout.stage_sequence_axes:
+    # The stage's shard_map is manual over the sequence axes already: each device holds its
+    # part, and the kernel communicates over them as it is. (The ring is refused in stages:
+    # sharding/resolution.py.)
+    return per_device(q, k, v, positions, segment_ids)
   if layout.in_pipeline_stage:
     # Nested in a stage's shard_map (manual over the pipeline and the replicas' axes): the
     # region names the stage's abstract mesh, and its gradient recomputes the attention
     # (sharding.shard_map.stage_shard_map says why JAX's own cannot be used there).
-    # (ring and ulysses_ring are refused there: sharding/resolution.py.)
     return stage_shard_map(per_device, layout.stage_mesh(), specs, out_spec, check,
                            opaque=True)(q, k, v, positions, segment_ids)
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,

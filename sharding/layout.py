@@ -194,11 +194,22 @@ class Layout:
       return ()
     return self.sequence_axes
 
+  @property
+  def stage_sequence_axes(self) -> tuple[str, ...]:
+    """The sequence axes a pipeline stage's shard_map is manual over too: each device runs its
+    part of every sequence through the stages and keeps its gradient sums, reduced once after
+    the schedule with the replicas' (else XLA all-reduces each weight's gradient over them at
+    every tick). () without stages, and where the loss does not add up over parts of a
+    sequence (`sequence_parts_apart`)."""
+    if self.pipeline == 1 or not self.sequence_parts_apart:
+      return ()
+    return self.sequence_axes
+
   def stage_mesh(self):
-    """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis and
-    the gradient replicas' axes, sharding/pipeline/executor.py): what a shard_map nested in a
-    stage must name."""
-    manual = (self.pipeline_axis, *self.gradient_replica_axes[0])
+    """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis, the
+    gradient replicas' axes and the stage's sequence axes, sharding/pipeline/executor.py): what
+    a shard_map nested in a stage must name."""
+    manual = (self.pipeline_axis, *self.gradient_replica_axes[0], *self.stage_sequence_axes)
     return self.mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in manual})
 
   # ---- views ----

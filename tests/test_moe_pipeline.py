@@ -62,6 +62,21 @@ def test_moe_on_pipeline_expert_data_equals_one_device(moe):
   assert_same_training(harness.run(PIPELINE, moe=moe, microbatches=2), reference(moe))
 
 
+@pytest.mark.parametrize("moe,impl", [(MOE, "allgather"), (DROPPING, "ulysses")],
+                         ids=["dropless,allgather", "dropping,ulysses"])
+def test_moe_on_pipeline_context_data_equals_one_device(moe, impl):
+  """pipeline=2 x context=2 x data=2, 2 microbatches. Dropless: the stage is manual over
+  `context`, each device's balance-loss sums add up over the sequence's parts
+  (whole_sequence_sum). Dropping, whose capacity slots run along whole sequences: `context`
+  stays automatic in the stage and attention runs in a region nested in it. (Dropping under
+  the load-balanced order drops other tokens than one device, with a pipeline or without:
+  hence Ulysses' contiguous order here.)"""
+  compute = dataclasses.replace(harness.COMPUTE, context_impl=impl)
+  result = harness.run(MeshConfig(data=2, pipeline=2, context=2), moe=moe, microbatches=2,
+                       compute=compute)
+  assert_same_training(result, reference(moe))
+
+
 # Every layer a dropless MoE, 2 on 2 stages: the stacks divide evenly, nothing is padded.
 ALL_MOE = dataclasses.replace(MOE, first_dense_layers=0)
 

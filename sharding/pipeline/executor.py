@@ -66,8 +66,14 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   axis = layout.pipeline_axis
   # Data-parallel replicas are manual too: each differentiates its rows of every microbatch and
   # keeps its gradient sums, reduced once after the schedule (not once per tick and weight).
-  replica_axes, _ = layout.gradient_replica_axes
-  batch_spec = PartitionSpec(None, replica_axes or None)  # [M, b, ...]: rows over the replicas
+  # The sequence's parts likewise (context parallelism, `Layout.stage_sequence_axes`): each
+  # device runs its part of every sequence through the stages, and keeps its gradient sums.
+  replica_axes = (*layout.gradient_replica_axes[0], *layout.stage_sequence_axes)
+  rows_axes, seq_axes = layout.gradient_replica_axes[0], layout.stage_sequence_axes
+
+  def batch_spec(a):  # [M, b, L, ...]: rows over the replicas, the sequence over its parts
+    return PartitionSpec(None, rows_axes or None, *((seq_axes,) if a.ndim > 2 and seq_axes
+                                                    else ()))
   stages, virtual = schedule.stages, schedule.virtual
   order = _chunk_order(schedule)
 
@@ -86,7 +92,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   mapped = jax.shard_map(
       per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
       in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
-                specs(data, batch_spec)),
+                jax.tree.map(batch_spec, data)),
       out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
                  PartitionSpec(), PartitionSpec(), PartitionSpec(axis)))
   layer_grads, shared_grads, loss_sum, stats, row_stats = mapped(to_chunks(layers), shared, data)
