@@ -118,9 +118,9 @@ ANCHORS = (
                 pipeline_schedule="interleaved_1f1b", sequence_parallel=True, zero_stage=1),
            1536, 8192, 192,
            "none",
-           "TP overlap by userbuffers; cuDNN attention; context parallelism by all-gathered"
-           " keys and values (Megatron's default: the p2p ring, which meshtron cannot run inside"
-           " pipeline stages)", compute=_fp8() + (("context_impl", "allgather"),),
+           "TP overlap by userbuffers; cuDNN attention; context parallelism by Ulysses'"
+           " all-to-alls around the flash kernel (Megatron's default: the p2p ring, which"
+           " meshtron cannot run inside pipeline stages)", compute=_fp8() + (("context_impl", "ulysses"),),
            master_weights=True),
     Anchor("Llama-3.1-405B, PP16 TP8 (before)", "issue [26]'s 'before' program: the 405B on"
            " 16 stages x tensor 8, the layout meshtron accepted nearest the Megatron-Bridge"

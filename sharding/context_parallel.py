@@ -181,15 +181,13 @@ def context_attention(layout, kernel: Callable, q, k, v, positions, segment_ids,
   # replicated whose gradient the check would have to sum; tests/test_context_parallel.py shows
   # the result equal to one device.
   check = not layout.in_replica_vmap and (check_vma_on_cpu or layout.platform != "cpu")
-  if layout.in_pipeline_stage and layout.stage_sequence_axes:
-    # The stage's shard_map is manual over the sequence axes already: each device holds its
-    # part, and the kernel communicates over them as it is. (The ring is refused in stages:
-    # sharding/resolution.py.)
-    return per_device(q, k, v, positions, segment_ids)
   if layout.in_pipeline_stage:
-    # Nested in a stage's shard_map (manual over the pipeline and the replicas' axes): the
-    # region names the stage's abstract mesh, and its gradient recomputes the attention
-    # (sharding.shard_map.stage_shard_map says why JAX's own cannot be used there).
+    # Nested in a stage's shard_map (manual over the pipeline and the replicas' axes, and over
+    # the sequence's where `Layout.stage_sequence_axes`): the region names the stage's abstract
+    # mesh and is manual over the rest (tensor: a Pallas kernel called on the stage's values
+    # as they are would run every head on every device); its gradient recomputes the attention
+    # (sharding.shard_map.stage_shard_map says why JAX's own cannot be used there). The ring is
+    # refused in stages (sharding/resolution.py).
     return stage_shard_map(per_device, layout.stage_mesh(), specs, out_spec, check,
                            opaque=True)(q, k, v, positions, segment_ids)
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,

@@ -58,6 +58,10 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
   if stages > 1:
     if layout.context > 1 and compute.context_impl in RING_IMPLS:
       raise LayoutError(_PIPELINE_RING.format(impl=compute.context_impl))
+    if layout.context > 1 and getattr(getattr(model, "moe", None), "dispatch", "") == "dropping":
+      raise LayoutError("model.moe.dispatch=dropping does not run with pipeline x context yet"
+                        " (its program aborts natively on CPU); use dispatch=dropless, or"
+                        " pipeline=1 or context=1")
     layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
