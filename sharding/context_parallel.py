@@ -16,6 +16,12 @@ from sharding.scope import constrain, spec
 from sharding.shard_map import stage_shard_map
 
 CONTEXT_IMPLS = ("ring", "allgather", "ulysses", "ulysses_ring")
+# The impls that pass blocks around a ring by collective-permutes, which cannot run inside a
+# pipeline stage: the permutes would sit in the stage's per-tick branch, which the other stages
+# do not take at that tick, and a collective-permute is one collective over every device (the
+# CPU runtime waits for all of them: a deadlock). All-gathers and all-to-alls run within the
+# context group, whose devices share a stage and so its branch.
+RING_IMPLS = ("ring", "ulysses_ring")
 # The hybrid's two factors of `context`: axes of a mesh view that exists only inside its shard_map
 # (`factored`); the run's mesh keeps its six axes.
 RING_AXIS, ULYSSES_AXIS = "context_ring", "context_ulysses"

@@ -11,7 +11,7 @@ import jax
 
 from kernels.attention import (GPU_PLATFORMS, check_runs as check_attention,
                                resolve as resolve_attention)
-from sharding.context_parallel import load_balanced, ulysses_degree
+from sharding.context_parallel import RING_IMPLS, load_balanced, ulysses_degree
 from sharding.layout import MESH_SWITCHES, Layout
 from sharding.mesh import BATCH_AXES, LayoutError, MeshConfig, make_mesh, resolve_sizes
 from sharding.pipeline import schedules, stage_split
@@ -85,11 +85,6 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
     raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
 
 
-# The ring's collective-permutes would run inside the stage's per-tick branch, which the other
-# stages do not take at that tick; a collective-permute is one collective over every device
-# (the CPU runtime waits for all of them: a deadlock), where all-gathers and all-to-alls run
-# within the context group, whose devices share a stage and so its branch.
-RING_IMPLS = ("ring", "ulysses_ring")
 _PIPELINE_RING = ("context_impl={impl} sends its ring's blocks by collective-permutes, which cannot"
                   " run inside a pipeline stage; with pipeline > 1 set"
                   " compute.context_impl=allgather or ulysses")

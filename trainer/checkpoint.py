@@ -30,7 +30,12 @@ class CheckpointError(ValueError):
 
 
 class ChecksumError(CheckpointError):
-  """A checkpoint whose files differ from the checksums written when it was saved."""
+  """A checkpoint whose files differ from the checksums written when it was saved; `finding`
+  says which and how, without the advice the message adds."""
+
+  def __init__(self, finding: str, advice: str):
+    super().__init__(f"{finding}; {advice}")
+    self.finding = finding
 
 
 class _IteratorState:
@@ -255,7 +260,7 @@ class Checkpointer:
     problem = checksums.verify(path) if self.cfg.checksums else None
     if problem:
       raise ChecksumError(
-          f"checkpoint {path} fails its checksums: {problem}; it is left untouched: set"
+          f"checkpoint {path} fails its checksums: {problem}", "it is left untouched: set"
           " --config.checkpoint.fallback_on_corruption=true to resume from the newest earlier"
           " checkpoint that passes, or move it away")
     if self.cfg.checksums and not checksums.has_checksums(path):

@@ -45,10 +45,9 @@ def init_or_restore(trainer: Trainer, ckpt: checkpoint.Checkpointer):
       if not cfg.checkpoint.fallback_on_corruption or source is not ckpt:
         raise
       if not earlier:
-        raise checkpoint.CheckpointError(f"{str(e).split('; it is left untouched')[0]}, and no"
-                                         " earlier checkpoint is left to fall back to: move it"
-                                         " away to start afresh") from None
-      logging.warning("%s", str(e).split("; it is left untouched")[0])
+        raise checkpoint.CheckpointError(f"{e.finding}, and no earlier checkpoint is left to"
+                                         " fall back to: move it away to start afresh") from None
+      logging.warning("%s", e.finding)
       logging.warning("fallback_on_corruption: moved it to %s; trying step %d",
                       source.set_aside(step), max(earlier))
       step = max(earlier)

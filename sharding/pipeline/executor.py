@@ -68,8 +68,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   # keeps its gradient sums, reduced once after the schedule (not once per tick and weight).
   # The sequence's parts likewise (context parallelism, `Layout.stage_sequence_axes`): each
   # device runs its part of every sequence through the stages, and keeps its gradient sums.
-  replica_axes = (*layout.gradient_replica_axes[0], *layout.stage_sequence_axes)
   rows_axes, seq_axes = layout.gradient_replica_axes[0], layout.stage_sequence_axes
+  replica_axes = (*rows_axes, *seq_axes)
 
   def batch_spec(a):  # [M, b, L, ...]: rows over the replicas, the sequence over its parts
     return PartitionSpec(None, rows_axes or None, *((seq_axes,) if a.ndim > 2 and seq_axes

@@ -5,7 +5,7 @@ is a ModelSpec or anything with its field names."""
 
 import math
 
-from sharding.context_parallel import load_balanced, ulysses_degree
+from sharding.context_parallel import RING_IMPLS, load_balanced, ulysses_degree
 
 
 def factors(model, layout) -> tuple[int, int]:
@@ -51,7 +51,7 @@ def errors(model, layout) -> list[str]:
   same before compiling): no ring inside pipeline stages; the hybrid's degree divides `context`,
   the degree divides the query heads per tensor shard (kv heads fewer than it are replicated)."""
   impl, degree = getattr(model, "context_impl", "ring"), getattr(model, "ulysses_degree", 0)
-  if layout.context > 1 and layout.pipeline > 1 and impl in ("ring", "ulysses_ring"):
+  if layout.context > 1 and layout.pipeline > 1 and impl in RING_IMPLS:
     return [f"context_impl {impl} cannot run inside pipeline stages (allgather or ulysses can)"]
   if layout.context == 1 or impl not in ("ulysses", "ulysses_ring"):
     return []
