@@ -161,6 +161,11 @@ def cases(tmp):
        "attention_impl=cudnn runs only on NVIDIA GPUs with cuDNN, not on cpu devices"),
       ("cudnn deviceless", ["compile", "--target=h100x1", "--config.compute.attention_impl=cudnn"],
        "not on a deviceless GPU compile"),
+      ("tracking backend", ["train", "--config.tracking=mlflow,neptune"],
+       "'neptune' is not a tracking backend"),
+      ("W&B mode", ["train", "--config.tracking=wandb", "--config.tracking_wandb_mode=sometimes"],
+       "tracking_wandb_mode='sometimes' is not one of online"),
+      ("W&B online, no login", ["train", "--config.tracking=wandb", *steps], "no W&B login"),
       ("unknown verb", ["fly"], "usage: meshtron"),
       ("a flag of another verb", ["plan", "--model=llama3_8b", f"--workdir={tmp}"],
        "--workdir does not apply to `meshtron plan`; its flags: --model,"),
@@ -179,7 +184,11 @@ def cases(tmp):
   ]
 
 
-def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_path, run_cli):
+def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_path, run_cli,
+                                                                          monkeypatch):
+  for name in ("WANDB_API_KEY", "WANDB_MODE"):  # this machine's W&B login is not the case's
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
   inputs = tmp_path / "inputs"
   inputs.mkdir()
   workdir = tmp_path / "run"

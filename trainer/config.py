@@ -12,7 +12,7 @@ from sharding import Layout, MeshConfig, layout_of
 from sharding.pipeline import schedules
 from sharding.plan.estimate import Precision, trainer_precision
 from sharding.xla import presets
-from trainer import config_checks
+from trainer import config_checks, tracking
 
 
 @dataclasses.dataclass
@@ -163,6 +163,13 @@ class TrainConfig:
   inject_nan_at_step: int = 0  # fault injection for testing the guard: NaN loss at this step
   seed: int = 0
   log_every: int = 10
+  # Run tracking beside metrics.jsonl and TensorBoard (trainer/tracking.py): "mlflow", "wandb"
+  # or "mlflow,wandb" (the `tracking` extra). A resume logs into the same tracked runs.
+  tracking: str = ""
+  tracking_project: str = "meshtron"  # the W&B project and the MLflow experiment
+  tracking_run_name: str = ""  # "" = the workdir's name
+  tracking_mlflow_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else sqlite:///WORKDIR/mlflow.db
+  tracking_wandb_mode: str = ""  # "online", "offline" or "disabled"; "" = $WANDB_MODE, else online
   eval_every: int = 100
   eval_batches: int = 4
   sample_tokens: int = 200  # generated at the end of `train` (0 = none)
@@ -217,6 +224,13 @@ class TrainConfig:
                        " formats here hold none): set model.mtp_depth=0, or train from scratch")
     config_checks.check_paths(self)
     config_checks.check_signals(self)
+    tracking.backends_of(self.tracking)
+    if self.tracking_wandb_mode not in ("",) + tracking.WANDB_MODES:
+      raise ValueError(f"tracking_wandb_mode={self.tracking_wandb_mode!r} is not one of"
+                       f" {', '.join(tracking.WANDB_MODES)} (or empty: $WANDB_MODE)")
+    if self.tracking and not self.tracking_project.strip():
+      raise ValueError("tracking_project is empty: name the W&B project / MLflow experiment"
+                       " (--config.tracking_project)")
     presets.resolve(self.xla_preset)  # names the known presets if not one of them
 
   def step(self) -> StepConfig:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from trainer import checkpoint, data, metrics, plot, sample
+from trainer import checkpoint, data, metrics, plot, sample, tracking
 from trainer.process import preemption, workdir as workdir_lib
 from trainer.config import TrainConfig
 from trainer.restore import check_resumable, init_or_restore
@@ -55,24 +55,41 @@ def run(cfg: TrainConfig, workdir: str) -> dict:
   trainer = Trainer(cfg)  # the layout's errors
   data.check_source(cfg, trainer.tokenizer)
   trainer.check_host_memory_estimate()
+  if is_writer:
+    tracking.check(cfg)
   workdir_lib.prepare(workdir)  # the first change on disk: every input has been checked
   with workdir_lib.locked(workdir, enabled=is_writer):
     checkpoints = os.path.join(workdir, "checkpoints")
     check_resumable(trainer, checkpoints)  # a checkpoint this run cannot read: before compiling
-    rep = trainer.compile()
-    logging.info("train step compiled in %.1f s: peak %.3f GiB per device, %.1f MiB of"
-                 " collectives", rep.compile_seconds, rep.memory["peak"] / 2**30,
-                 rep.wire_bytes / 2**20)
-    ckpt = checkpoint.Checkpointer(checkpoints, cfg.checkpoint)
+    # Tracked runs open before compiling: a wrong URI fails before the work, not after.
+    runs = tracking.open_runs(cfg, workdir, dataclasses.asdict(cfg)) if is_writer \
+        else tracking.Runs()
+    for line in tracking.describe(runs):
+      logging.info("tracking: %s", line)
     try:
-      train_iter, start, meta = init_or_restore(trainer, ckpt)
+      last = _compile_and_run(trainer, cfg, workdir, checkpoints, runs, is_writer)
     except BaseException:
-      ckpt.close()
+      runs.close(failed=True)
       raise
-    return _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer)
+    runs.close()
+    return last
 
 
-def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer) -> dict:
+def _compile_and_run(trainer, cfg, workdir, checkpoints, runs, is_writer) -> dict:
+  rep = trainer.compile()
+  logging.info("train step compiled in %.1f s: peak %.3f GiB per device, %.1f MiB of"
+               " collectives", rep.compile_seconds, rep.memory["peak"] / 2**30,
+               rep.wire_bytes / 2**20)
+  ckpt = checkpoint.Checkpointer(checkpoints, cfg.checkpoint)
+  try:
+    train_iter, start, meta = init_or_restore(trainer, ckpt)
+  except BaseException:
+    ckpt.close()
+    raise
+  return _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer, runs)
+
+
+def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer, runs) -> dict:
   cfg = trainer.cfg
   logging.info("process %d of %d; mesh %s over %d %s devices; data %s; %.2fM parameters;"
                " %s at step %d (the whole config: %s/config.json)", jax.process_index(),
@@ -92,7 +109,7 @@ def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer) -> dic
   progress = metrics.Progress(
       workdir, steps=cfg.steps, start=start, tokens_per_step=cfg.batch_size * cfg.seq_len,
       flops_per_step=cfg.model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len,
-      peak_flops=peak, log_every=cfg.log_every, enabled=is_writer)
+      peak_flops=peak, log_every=cfg.log_every, enabled=is_writer, tracked=runs)
   stops = preemption.StopRequests(cfg.checkpoint.preemption_signals)
   try:
     if _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir):
@@ -207,4 +224,6 @@ def finish(trainer: Trainer, workdir: str, is_writer: bool, stops) -> None:
     logging.info("sample:\n%s", text)
     print(f"--- sample ({len(ids)} tokens, temperature {cfg.sample_temperature}) ---")
     print(text)
-  print(f"wrote {workdir}/metrics.jsonl, loss.png, sample.txt, tensorboard/")
+  if is_writer:
+    written = ["metrics.jsonl", "loss.png"] + (["sample.txt"] if cfg.sample_tokens > 0 else [])
+    print(f"wrote {workdir}/{', '.join(written)}, tensorboard/")

@@ -41,13 +41,15 @@ def peak_flops(dtype: str) -> tuple[float, str]:
 
 
 class MetricsWriter:
-  """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard.
+  """Appends one JSON object per step to metrics.jsonl and mirrors its numbers to TensorBoard and
+  the tracked runs (trainer/tracking.py; opened and closed by the caller).
 
   Only the writing process (process 0) writes; others get a writer that does nothing.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, tracked=None):
     self.enabled = enabled
+    self.tracked = tracked
     self._jsonl = None
     self._tb = None
     if enabled:
@@ -62,9 +64,12 @@ class MetricsWriter:
     row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
     self._jsonl.write(json.dumps(row) + "\n")
     self._jsonl.flush()
-    for key, value in row.items():
-      if key != "step" and isinstance(value, (int, float)):
-        self._tb.add_scalar(key, value, step)
+    scalars = {k: v for k, v in row.items()
+               if k != "step" and isinstance(v, (int, float))}
+    for key, value in scalars.items():
+      self._tb.add_scalar(key, value, step)
+    if self.tracked is not None:
+      self.tracked.log(step, scalars)
 
   def close(self) -> None:
     if self.enabled:
@@ -82,11 +87,12 @@ class Progress:
   throughput and MFU, writes them, and drives the progress bar and the periodic log lines."""
 
   def __init__(self, workdir: str, *, steps: int, start: int, tokens_per_step: int,
-               flops_per_step: float, peak_flops: float, log_every: int, enabled: bool):
+               flops_per_step: float, peak_flops: float, log_every: int, enabled: bool,
+               tracked=None):
     self.steps, self.tokens, self.log_every = steps, tokens_per_step, log_every
     self.flops_per_step, self.peak = flops_per_step, peak_flops
     self.enabled = enabled
-    self.writer = MetricsWriter(workdir, enabled=enabled)
+    self.writer = MetricsWriter(workdir, enabled=enabled, tracked=tracked)
     # The live bar only on a terminal; logs (CI, files) get the periodic step lines alone.
     self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, mininterval=1.0,
                     disable=not (enabled and sys.stderr.isatty()))

@@ -22,7 +22,9 @@ LOCK_NAME = ".meshtron.lock"
 # What a run keeps in its workdir: name -> whether it is a directory (trainer/loop.py,
 # trainer/metrics.py, write_config below).
 RUN_ENTRIES = {"checkpoints": True, "tensorboard": True, "metrics.jsonl": False,
-               "loss.png": False, "config.json": False, LOCK_NAME: False}
+               "loss.png": False, "config.json": False, LOCK_NAME: False,
+               # trainer/tracking.py: the tracked runs' ids, MLflow's default store, W&B's files
+               "tracking.json": False, "mlflow.db": False, "mlartifacts": True, "wandb": True}
 
 
 class WorkdirError(ValueError):
