@@ -96,14 +96,19 @@ def start_backends(jax) -> None:
 def refuse_or_report(error: Exception, refusals: tuple = (ValueError,)) -> None:
   """Ends the command with one line: a refusal's own (bad input, a training stop), or, for
   anything else, that it is a bug and where its report (traceback, config) was written."""
+  fail(one_line(error, refusals))
+
+
+def one_line(error: BaseException, refusals: tuple = (ValueError,)) -> str:
+  """A refusal's own first line, or the bug line naming the report written for `error`."""
   if bug_report.is_refusal(error, refusals):
-    fail(str(error).splitlines()[0])
+    return str(error).splitlines()[0]
   try:
     config = CONFIG.value
   except Exception:  # noqa: BLE001  (not parsed: the report says so)
     config = None
   workdir = flags.WORKDIR.value if flags.WORKDIR.present else ""  # the run's, when named
-  fail(bug_report.summary(error, bug_report.write(error, config, workdir)))
+  return bug_report.summary(error, bug_report.write(error, config, workdir))
 
 
 def _dispatch(argv: list[str]) -> None:
@@ -146,7 +151,9 @@ def _dispatch(argv: list[str]) -> None:
     distributed.initialize(CONFIG.value.distributed, flags.COORDINATOR.value,
                            flags.NUM_PROCESSES.value, flags.PROCESS_ID.value)
     start_backends(jax)
-    distributed.exit_hard_on_error(verbs[verb], CONFIG.value)
+    distributed.exit_hard_on_error(
+        verbs[verb], CONFIG.value,
+        describe=lambda e: one_line(e, (ValueError, loop.TrainingError)))
   except (ValueError, loop.TrainingError) as e:  # bad input, or a stop such as a NaN loss
     refuse_or_report(e, (ValueError, loop.TrainingError))
 

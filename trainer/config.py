@@ -122,6 +122,9 @@ class DistributedConfig:
   """jax.distributed timeouts: short enough that a dead peer ends the job within a minute."""
 
   initialization_timeout_s: int = 300  # waiting for every process to join
+  # With --coordinator: a process finding nothing at the coordinator, or process 0 hearing from
+  # no other process, ends after this (0: wait the whole initialization_timeout_s).
+  coordinator_probe_s: int = 60
   heartbeat_timeout_s: int = 30  # a process silent this long is dead: the others abort
   shutdown_timeout_s: int = 30  # waiting for peers at exit
   # GPUs of this process: "auto" (all of the node's with one process per node, else one per

@@ -45,7 +45,7 @@ RANGES = {
     "data.max_document_tokens": NONNEGATIVE,
     "checkpoint.every_steps": COUNT, "checkpoint.keep": COUNT, "checkpoint.keep_every": NONNEGATIVE,
     "distributed.initialization_timeout_s": COUNT, "distributed.heartbeat_timeout_s": COUNT,
-    "distributed.shutdown_timeout_s": COUNT,
+    "distributed.shutdown_timeout_s": COUNT, "distributed.coordinator_probe_s": NONNEGATIVE,
     "mesh.virtual_stages": COUNT,
 }
 

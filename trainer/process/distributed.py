@@ -1,15 +1,17 @@
 """Multi-process start-up: jax.distributed under SLURM / Open MPI or explicit coordinates (e.g.
 Kubernetes), timeouts that never hang, and hard exits so no peer waits in a collective."""
 
+import errno
 import glob
 import os
-import sys
-import traceback
+import socket
 
 import jax
 
 from trainer.config import DistributedConfig
-from trainer.process.join_watch import JoinWatch
+from trainer.process.join_watch import JoinWatch, end
+
+_watch: JoinWatch | None = None  # this process's roll call and peer links, when multi-process
 
 
 def detect_launcher() -> str | None:
@@ -65,6 +67,8 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
                        f"{num_processes})")
   if not coordinator and detect_launcher() is None:
     return False
+  if coordinator and process_id == 0:
+    check_port_free(coordinator)
   # JAX's own start-up timeout ends in a native abort dump: ours fires first, in one line.
   kwargs = dict(initialization_timeout=cfg.initialization_timeout_s + 60,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
@@ -79,25 +83,44 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
       "OMPI_COMM_WORLD_SIZE") or "?"
   me = process_id if process_id >= 0 else os.environ.get(
       "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
-  watch = JoinWatch(coordinator, me, expected, cfg.initialization_timeout_s)
+  global _watch
+  _watch = JoinWatch(coordinator, me, expected, cfg.initialization_timeout_s,
+                     silence_s=0.75 * cfg.heartbeat_timeout_s, probe_s=cfg.coordinator_probe_s)
   jax.distributed.initialize(**kwargs)
-  watch.joined()
+  _watch.joined()
   return True
 
 
-def exit_hard_on_error(fn, *args, **kwargs):
-  """Runs fn; in a multi-process run an uncaught error prints one line and exits the process at
-  once, so the launcher ends the job and peers abort by heartbeat instead of waiting minutes in
-  JAX's shutdown barrier. SystemExit passes through (already a deliberate exit)."""
+def check_port_free(coordinator: str) -> None:
+  """ValueError when process 0's coordinator port is already taken on this host (JAX's service
+  would crash natively trying to serve on it)."""
+  port = int(coordinator.rpartition(":")[2])
   try:
-    return fn(*args, **kwargs)
-  except SystemExit:
+    socket.create_server(("", port)).close()  # SO_REUSEADDR: a past run's TIME_WAIT is no owner
+  except OSError as e:
+    if e.errno != errno.EADDRINUSE:
+      return  # not ours to judge (e.g. no IPv4): JAX reports it
+    raise ValueError(f"--coordinator={coordinator}: port {port} is already in use on this host"
+                     " (another run's coordinator?); choose a free port") from None
+
+
+def exit_hard_on_error(fn, *args, describe=None, **kwargs):
+  """Runs fn. In a multi-process run an uncaught error prints one line (`describe(error)`: the
+  refusal's own, or a bug report's) and exits the process at once, so the launcher ends the job
+  and peers end on the lost link instead of waiting in JAX's shutdown barrier. SystemExit passes
+  through (already a deliberate exit)."""
+  try:
+    result = fn(*args, **kwargs)
+  except SystemExit as e:
+    if _watch is not None and e.code in (0, None):
+      _watch.finished()
     raise
   except BaseException as e:  # noqa: BLE001 - every error must end the process
     if jax.process_count() == 1:
       raise
-    traceback.print_exc()
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f"meshtron: error on process {jax.process_index()}: {message}", file=sys.stderr,
-          flush=True)
-    os._exit(1)
+    message = describe(e) if describe is not None else (
+        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    end(f"process {jax.process_index()}: {message}")
+  if _watch is not None:
+    _watch.finished()
+  return result
