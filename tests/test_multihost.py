@@ -83,28 +83,34 @@ def test_two_processes_train_like_one_and_hand_over_their_checkpoint(tmp_path, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("killed", [1, 0])
-def test_a_dead_peer_ends_the_survivor_at_once_in_one_line(tmp_path, killed):
+@pytest.mark.parametrize("killed, how", [(1, signal.SIGKILL), (0, signal.SIGKILL),
+                                         (1, signal.SIGSTOP)])
+def test_a_dead_peer_ends_the_survivor_at_once_in_one_line(tmp_path, killed, how):
   """SIGKILL one of two training processes: the other ends within seconds (JAX alone would wait
-  for its heartbeat timeout, then abort natively), printing one line that names the lost one."""
+  for its heartbeat timeout, then abort natively), printing one line that names the lost one.
+  SIGSTOP stands for a host that vanished (nothing closes its connections): the survivor ends
+  on the silence, after 3/4 of the 10 s heartbeat timeout, before JAX's abort."""
   procs = two_processes(tmp_path, 10_000)
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.time() + 300
   while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
     assert time.time() < deadline and procs[0].poll() is None, procs[0].stderr
     time.sleep(0.2)
-  procs[killed].send_signal(signal.SIGKILL)
+  procs[killed].send_signal(how)
   killed_at = time.time()
   survivor = procs[1 - killed]
   _, stderr = survivor.communicate(timeout=120)
   took = time.time() - killed_at
+  procs[killed].kill()
   procs[killed].communicate()
   assert survivor.returncode == 1, stderr[-3000:]
   assert took < 10  # the heartbeat timeout is 10 s: this is the link, not JAX
   errors = [line for line in stderr.splitlines() if "rror" in line or "Fatal" in line
             or "Traceback" in line or line.startswith(("F1", "E1", "*** "))]
   lost = "process 0 (the coordinator" if killed == 0 else "process 1 of 2"
+  what = "sent nothing for 8 s" if how == signal.SIGSTOP else "stopped: its connection closed"
   assert len(errors) == 1 and errors[0].startswith(f"meshtron: error: {lost}"), errors
+  assert what in errors[0]
 
 
 def slurm_available() -> bool:
