@@ -90,6 +90,19 @@ def resolve_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:
   return sizes
 
 
+def parse_dcn(dcn: str) -> dict[str, int]:
+  """{axis: across-hosts factor} that mesh.dcn ("data=4,pipeline=2") names; LayoutError for an
+  item that is not axis=factor (checked with the config, on one host too)."""
+  factors = {}
+  for item in filter(None, (p.strip() for p in dcn.split(","))):
+    axis, _, value = item.partition("=")
+    if axis not in AXES or not value.isdigit() or int(value) < 1:
+      raise LayoutError(f"mesh.dcn item {item!r} must be axis=factor with axis one of"
+                        f" {', '.join(AXES)} and factor >= 1 (--config.mesh.dcn)")
+    factors[axis] = int(value)
+  return factors
+
+
 def split_across_hosts(sizes: dict[str, int], num_hosts: int, dcn: str = "",
                        allow_tensor_across_hosts: bool = False) -> dict[str, int]:
   """Returns {axis: across-hosts factor}; each axis size = factor x its within-host part.
@@ -99,12 +112,7 @@ def split_across_hosts(sizes: dict[str, int], num_hosts: int, dcn: str = "",
   """
   factors = {a: 1 for a in AXES}
   if dcn:
-    for item in filter(None, (p.strip() for p in dcn.split(","))):
-      axis, _, value = item.partition("=")
-      if axis not in AXES or not value.isdigit() or int(value) < 1:
-        raise LayoutError(f"mesh.dcn item {item!r} must be axis=factor with axis one of"
-                          f" {', '.join(AXES)}")
-      factors[axis] = int(value)
+    factors.update(parse_dcn(dcn))
   else:
     remaining = num_hosts
     for axis in AXES:

@@ -5,6 +5,7 @@ Most cases run the CLI in this process (cli.main.run; a `meshtron` start costs ~
 those that need a process of their own (a dead peer, a second Ctrl-C) are at the end.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -160,6 +161,12 @@ def cases(tmp):
        "attention_impl=cudnn runs only on NVIDIA GPUs with cuDNN, not on cpu devices"),
       ("cudnn deviceless", ["compile", "--target=h100x1", "--config.compute.attention_impl=cudnn"],
        "not on a deviceless GPU compile"),
+      ("mesh.dcn syntax", ["train", "--config.mesh.dcn=data:2"],
+       "mesh.dcn item 'data:2' must be axis=factor"),
+      ("local device ids", ["train", "--config.distributed.local_device_ids=gpu0"],
+       "distributed.local_device_ids='gpu0' must be 'auto' or GPU indices"),
+      ("infinite learning rate", ["train", "--config.optim.learning_rate=inf"],
+       "optim.learning_rate=inf is not a finite number"),
       ("tracking backend", ["train", "--config.tracking=mlflow,neptune"],
        "'neptune' is not a tracking backend"),
       ("W&B mode", ["train", "--config.tracking=wandb", "--config.tracking_wandb_mode=sometimes"],
@@ -183,18 +190,14 @@ def cases(tmp):
   ]
 
 
-def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_path, run_cli,
-                                                                          monkeypatch):
-  for name in ("WANDB_API_KEY", "WANDB_MODE"):  # this machine's W&B login is not the case's
-    monkeypatch.delenv(name, raising=False)
-  monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-  inputs = tmp_path / "inputs"
-  inputs.mkdir()
+def refusals_that_fail_the_contract(tmp_path, run_cli, table) -> list:
+  """Runs each (name, argv, fragment) of `table`; returns those that do not end in exactly one
+  line (naming `fragment`) with a non-zero exit, nothing compiled and no file changed."""
   workdir = tmp_path / "run"
-  workdir.mkdir()
+  workdir.mkdir(exist_ok=True)
   (workdir / "notes.txt").write_text("a user's file")
   failures = []
-  for name, argv, fragment in cases(inputs):
+  for name, argv, fragment in table:
     if argv[0] == "train" and not any(a.startswith("--workdir") for a in argv):
       argv = [*argv, f"--workdir={workdir}"]
     before = snapshot(tmp_path)
@@ -207,11 +210,56 @@ def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_pa
                 "files changed" if snapshot(tmp_path) != before else ""]
     if any(problems):
       failures.append((name, [p for p in problems if p], lines[-3:]))
+  return failures
+
+
+def test_every_bad_input_is_one_line_before_compiling_and_changes_nothing(tmp_path, run_cli,
+                                                                          monkeypatch):
+  for name in ("WANDB_API_KEY", "WANDB_MODE"):  # this machine's W&B login is not the case's
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+  inputs = tmp_path / "inputs"
+  inputs.mkdir()
+  failures = refusals_that_fail_the_contract(tmp_path, run_cli, cases(inputs))
   assert not failures, json.dumps(failures, indent=1)
   # The control: the same harness sees a good run compile its step and write its files.
   code, _, compiles = run_cli("train", f"--workdir={tmp_path / 'ok'}", "--config.steps=1",
                               "--config.model.num_layers=1", "--config.sample_tokens=0")
   assert code in (0, None) and compiles and (tmp_path / "ok" / "metrics.jsonl").exists()
+
+
+def field_cases() -> list:
+  """A value outside its range for every ranged setting, and nan for every float setting of
+  every section (the debug preset's model included), each as the CLI override."""
+  from configs import llama
+  from trainer import config_checks
+  cfg, table = llama.debug(), []
+  for dotted, allowed in config_checks.RANGES.items():
+    default = config_checks._value(cfg, dotted)
+    if allowed.low > -config_checks.INF:
+      bad = allowed.low if allowed.low_open else allowed.low - 1
+    else:
+      bad = allowed.high if allowed.high_open else allowed.high + 1
+    bad = int(bad) if isinstance(default, int) else float(bad)
+    table.append((dotted, ["train", f"--config.{dotted}={bad}"], f"{dotted}={bad!r}"))
+
+  def floats(obj, prefix=""):
+    for field in dataclasses.fields(obj):
+      value = getattr(obj, field.name)
+      if dataclasses.is_dataclass(value):
+        yield from floats(value, f"{prefix}{field.name}.")
+      elif isinstance(value, float):
+        yield f"{prefix}{field.name}"
+  table += [(f"{dotted}=nan", ["train", "--config=debug", f"--config.{dotted}=nan"], dotted)
+            for dotted in floats(cfg)]
+  return table
+
+
+def test_every_setting_out_of_its_range_is_one_line_naming_it(tmp_path, run_cli):
+  table = field_cases()
+  assert len(table) > 50  # every ranged setting (34) and every float one (24)
+  failures = refusals_that_fail_the_contract(tmp_path, run_cli, table)
+  assert not failures, json.dumps(failures, indent=1)
 
 
 @pytest.mark.parametrize("argv, fragment, platforms", [

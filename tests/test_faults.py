@@ -81,3 +81,23 @@ def test_a_read_only_workdir_is_one_line_before_anything_runs(tmpfs):
   for workdir in (read_only, read_only / "run"):
     with pytest.raises(ValueError, match=r"workdir .* \(Read-only file system\)"):
       loop.run(tiny_run(), str(workdir))
+
+
+def test_a_checkpoint_directory_removed_mid_run_is_made_again_and_saved_into(
+    tmp_path, monkeypatch, caplog):
+  """checkpoints/ deleted by hand after step 4's save (a traceback once): the run warns, makes it
+  again, and saves step 8 there; the state in memory was the only copy left."""
+  cfg = tiny_run(steps=8)
+  cfg.checkpoint.every_steps = 4
+  save = checkpoint.Checkpointer.save
+
+  def save_then_remove(self, step, *args, **kwargs):
+    save(self, step, *args, **kwargs)
+    if step == 4:
+      self.wait()
+      shutil.rmtree(self.directory)
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_remove)
+  with caplog.at_level("WARNING"):
+    loop.run(cfg, str(tmp_path))
+  assert committed(tmp_path) == [8]
+  assert "checkpoints was removed during the run (with the checkpoints of steps 4)" in caplog.text

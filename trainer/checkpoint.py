@@ -59,13 +59,39 @@ class Checkpointer:
     self.cfg = cfg
     os.makedirs(self.directory, exist_ok=True)
     self._set_aside_partial_saves()
+    self._open_manager()
+    self._hashing = None  # the thread writing the last committed save's checksums
+
+  def _open_manager(self) -> None:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
-        enable_async_checkpointing=cfg.async_save, create=True)
+        max_to_keep=self.cfg.keep, keep_period=self.cfg.keep_every or None,
+        enable_async_checkpointing=self.cfg.async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     self._in_flight = None  # the step of the asynchronous save under way, if any
     self._failed = False  # a save failed (and was reported)
-    self._hashing = None  # the thread writing the last committed save's checksums
+
+  def _recreate_if_removed(self) -> None:
+    """A checkpoint directory removed during the run (by hand, by a clean-up job) is made again,
+    with a warning, and the run goes on: the state in memory is now the only copy, and the next
+    save writes it. Its earlier checkpoints are gone; an async save in flight is abandoned."""
+    if os.path.isdir(self.directory):
+      return
+    lost = self.manager.all_steps()
+    try:
+      self.manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the save in flight lost its directory: abandoned
+      pass
+    try:
+      self.manager.close()
+    except Exception:  # noqa: BLE001
+      pass
+    self._finish_checksums()
+    os.makedirs(self.directory, exist_ok=True)
+    self._open_manager()
+    logging.warning("the checkpoint directory %s was removed during the run (with the checkpoints"
+                    " of steps %s); made it again: the next save (every %d steps, and at the"
+                    " end or a stop) writes there", self.directory,
+                    ", ".join(map(str, lost)) or "none", self.cfg.every_steps)
 
   def _set_aside_partial_saves(self) -> None:
     """Interrupted saves leave `<step>.orbax-checkpoint-tmp*` directories. They are never
@@ -90,6 +116,7 @@ class Checkpointer:
     A save that cannot fit the free disk space is refused before it starts; one that fails while
     writing (disk full, I/O error) raises CheckpointError at the next `check()`, `save` or
     `wait`, with its partial directory removed: the last committed checkpoint stays usable."""
+    self._recreate_if_removed()
     self._check_space(step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
@@ -131,6 +158,7 @@ class Checkpointer:
 
   def check(self) -> None:
     """Raises CheckpointError if an asynchronous save has failed since the last call."""
+    self._recreate_if_removed()
     self._guard(self.manager.check_for_errors)
 
   def _check_space(self, step: int, state) -> None:

@@ -3,8 +3,11 @@
 
 import dataclasses
 import glob
+import math
 import os
 import signal
+
+from sharding.mesh import parse_dcn
 
 INF = float("inf")
 
@@ -56,8 +59,32 @@ def _value(cfg, dotted: str):
   return cfg
 
 
+def check_finite(cfg, prefix: str = "") -> None:
+  """ValueError for the first float setting, in any section, that is nan or infinite: none
+  means "off" or "no limit" (those are 0 where they exist)."""
+  for field in dataclasses.fields(cfg):
+    value = getattr(cfg, field.name)
+    if dataclasses.is_dataclass(value):
+      check_finite(value, f"{prefix}{field.name}.")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"{prefix}{field.name}={value} is not a finite number"
+                       f" (--config.{prefix}{field.name})")
+
+
+def check_formats(cfg) -> None:
+  """The text settings with a syntax, checked on every run, not only where they are read (mesh.dcn
+  on several hosts, local_device_ids with several processes)."""
+  parse_dcn(cfg.mesh.dcn)
+  ids = cfg.distributed.local_device_ids
+  if ids not in ("auto", "") and not all(i.strip().isdigit() for i in ids.split(",")):
+    raise ValueError(f"distributed.local_device_ids={ids!r} must be 'auto' or GPU indices such"
+                     " as 0,1,2,3 (--config.distributed.local_device_ids)")
+
+
 def check_ranges(cfg) -> None:
   """ValueError for the first setting outside its range (or not a number)."""
+  check_finite(cfg)
+  check_formats(cfg)
   for dotted, allowed in RANGES.items():
     value = _value(cfg, dotted)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not allowed.holds(value):
