@@ -71,7 +71,7 @@ def test_a_save_that_fills_the_disk_fails_there_and_cleans_up(tmpfs, monkeypatch
   with pytest.raises(checkpoint.CheckpointError) as error:
     loop.run(cfg, str(workdir))
   message = str(error.value)
-  assert "\n" not in message and "the checkpoint of step 6" in message
+  assert "\n" not in message and "the checkpoint of step 6" in message, message
   assert "the disk is full" in message and "last committed checkpoint is step 4" in message
   assert committed(workdir) == [2, 4] and not partial_saves(workdir / "checkpoints")
 
@@ -101,3 +101,13 @@ def test_a_checkpoint_directory_removed_mid_run_is_made_again_and_saved_into(
     loop.run(cfg, str(tmp_path))
   assert committed(tmp_path) == [8]
   assert "checkpoints was removed during the run (with the checkpoints of steps 4)" in caplog.text
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_one_line_before_anything(tmpfs):
+  """A 4 MB disk for a run whose state is 5.9 MB: refused before compiling (it was found at
+  the first save), the workdir not even made."""
+  workdir = tmpfs("4m") / "run"
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"has 4.2 MB free, and one checkpoint of this run needs about 6.2 MB"):
+    loop.run(tiny_run(steps=8), str(workdir))
+  assert not workdir.exists()

@@ -38,6 +38,25 @@ class ChecksumError(CheckpointError):
     self.finding = finding
 
 
+def check_room_for_one(workdir: str, abstract_state) -> None:
+  """Before anything is written: CheckpointError when the disk holding `workdir` (or its nearest
+  existing parent) cannot hold even one checkpoint of this state (every array once, plus 5%)."""
+  needed = 1.05 * sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state)
+                      if hasattr(leaf, "dtype"))
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  free = shutil.disk_usage(existing).free
+  if needed > free:
+    raise CheckpointError(
+        f"the disk holding {workdir} has {_size(free)} free, and one checkpoint of this run"
+        f" needs about {_size(needed)}; free some space or use another --workdir")
+
+
+def _size(nbytes: float) -> str:
+  return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
 class _IteratorState:
   """A data-iterator state captured when a step's batch was drawn (the loop prefetches ahead, so
   the live iterator is already past it when the checkpoint is written). grain's handler stores

@@ -57,6 +57,7 @@ def run(cfg: TrainConfig, workdir: str) -> dict:
   trainer.check_host_memory_estimate()
   if is_writer:
     tracking.check(cfg)
+    checkpoint.check_room_for_one(workdir, trainer.abstract_state)
   workdir_lib.prepare(workdir)  # the first change on disk: every input has been checked
   with workdir_lib.locked(workdir, enabled=is_writer):
     checkpoints = os.path.join(workdir, "checkpoints")
