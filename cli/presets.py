@@ -11,11 +11,12 @@ from sharding.plan import estimate
 
 def parse_tokens(text: str) -> int:
   """"1M" -> 1048576, "512K" -> 524288, "4096" -> 4096."""
-  text = text.strip().upper()
+  given, text = text, text.strip().upper()
   scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
   number = text[:-1] if scale > 1 else text
-  if not number.isdigit():
-    raise ValueError(f"--global_batch_tokens={text!r} must be a number with an optional K/M/G")
+  if not number.isdigit() or int(number) == 0:
+    raise ValueError(f"--global_batch_tokens={given!r} must be a positive number with an optional"
+                     " K/M/G (e.g. 4M)")
   return int(number) * scale
 
 

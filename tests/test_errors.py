@@ -167,6 +167,8 @@ def cases(tmp):
        "distributed.local_device_ids='gpu0' must be 'auto' or GPU indices"),
       ("infinite learning rate", ["train", "--config.optim.learning_rate=inf"],
        "optim.learning_rate=inf is not a finite number"),
+      ("plan: no tokens", ["plan", "--model=llama3_8b", "--global_batch_tokens=0"],
+       "--global_batch_tokens='0' must be a positive number"),
       ("tracking backend", ["train", "--config.tracking=mlflow,neptune"],
        "'neptune' is not a tracking backend"),
       ("W&B mode", ["train", "--config.tracking=wandb", "--config.tracking_wandb_mode=sometimes"],
