@@ -237,7 +237,7 @@ def field_cases() -> list:
   from trainer import config_checks
   cfg, table = llama.debug(), []
   for dotted, allowed in config_checks.RANGES.items():
-    default = config_checks._value(cfg, dotted)
+    default = config_checks.value_of(cfg, dotted)
     if allowed.low > -config_checks.INF:
       bad = allowed.low if allowed.low_open else allowed.low - 1
     else:

@@ -125,3 +125,15 @@ def test_metrics_mlflow_failed_to_take_are_a_warning_not_a_failed_run(tmp_path, 
   with caplog.at_level("WARNING"):
     runs.close()
   assert "may lack metrics (Connection refused: the tracking server went away)" in caplog.text
+
+
+def test_a_tracked_run_that_is_gone_names_the_ids_file(tmp_path, monkeypatch):
+  """tracking.json names an MLflow run the store does not hold (a store moved or wiped): one
+  line naming the file and the entry to remove, before compiling."""
+  compiled = []
+  monkeypatch.setattr(loop.Trainer, "compile", lambda self: compiled.append(1))
+  (tmp_path / "tracking.json").write_text(json.dumps({"mlflow": "0123456789abcdef"}))
+  with pytest.raises(tracking.TrackingError, match=r"resuming run 0123456789abcdef of .*"
+                     r"tracking.json \(remove its mlflow entry to start a new tracked run\)"):
+    loop.run(tiny_run(tracking="mlflow"), str(tmp_path))
+  assert not compiled

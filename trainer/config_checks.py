@@ -53,7 +53,8 @@ RANGES = {
 }
 
 
-def _value(cfg, dotted: str):
+def value_of(cfg, dotted: str):
+  """The setting a dotted name ("optim.b2") names in `cfg`."""
   for part in dotted.split("."):
     cfg = getattr(cfg, part)
   return cfg
@@ -86,7 +87,7 @@ def check_ranges(cfg) -> None:
   check_finite(cfg)
   check_formats(cfg)
   for dotted, allowed in RANGES.items():
-    value = _value(cfg, dotted)
+    value = value_of(cfg, dotted)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not allowed.holds(value):
       raise ValueError(f"{dotted}={value!r} is out of range: it must be {allowed.describe()}"
                        f" (--config.{dotted})")

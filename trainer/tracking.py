@@ -165,8 +165,11 @@ class _MlflowRun:
         self.client.log_batch(run_id, params=[Param(k, v) for k, v in params[i:i + 100]])
       self.client.log_dict(run_id, config, "config.json")  # this start's config, whole
     except Exception as e:  # the backend's own error types; one line with the URI
+      resumed = (f"; resuming run {run_id} of {os.path.join(workdir, IDS_FILE)} (remove its"
+                 " mlflow entry to start a new tracked run)") if run_id else ""
       raise TrackingError(f"MLflow at {uri}: {str(e).splitlines()[0] if str(e) else type(e)}"
-                          " (--config.tracking_mlflow_uri, or $MLFLOW_TRACKING_URI)") from None
+                          f" (--config.tracking_mlflow_uri, or $MLFLOW_TRACKING_URI){resumed}"
+                          ) from None
     self.run_id, self.uri = run_id, uri
     self._pending = []
 
