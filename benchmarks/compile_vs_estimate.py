@@ -26,7 +26,6 @@ LAYOUTS = [  # (name, mesh, microbatches, remat)
      "none"),
     ("tensor=8, sp", MeshConfig(data=1, tensor=8, sequence_parallel=True), 8, "none"),
     ("data=2 x fsdp=4, remat full", MeshConfig(data=2, fsdp=4), 1, "full"),
-    ("fsdp=8, remat selective", MeshConfig(data=1, fsdp=8), 1, "selective"),
 ]
 
 

@@ -111,15 +111,11 @@ def test_activation_formulas_of_the_playbook_by_hand():
 
 
 def test_our_llama_activation_terms_by_hand():
-  # What meshtron's remat policies keep, bf16: the layer input and the attention projection's
-  # output 2h x 2 = 64; q H Dh + k, v 2 K Dh + gate, up 2F = 96 x 2 = 192; the attention output
-  # H Dv x 2 = 32; scores per unit of s: a x 4 = 16 (the fp32 probabilities). Norms, rope and
-  # SwiGLU's product are recomputed in the backward.
+  # bf16: norm inputs/outputs 4h x 2 = 128; q, o 2 H Dh + k, v 2 K Dh + SwiGLU 3F = 144 x 2 =
+  # 288; scores per unit of s: a (4 + 4 + 2) = 40 (fp32 scores and probabilities + a bf16 copy).
   terms = activation_terms(SMALL, 2, "llama")
-  assert (terms.replicated, terms.split, terms.scores, terms.attention_out) == (64, 192, 16, 32)
-  assert layer_activation_bytes(terms, SEQ, SEQ, Layout(), "none") == \
-      SEQ * (64 + 192 + 32 + 16 * 8)
-  assert layer_activation_bytes(terms, SEQ, SEQ, Layout(), "selective") == SEQ * (64 + 192)
+  assert (terms.replicated, terms.split, terms.scores) == (128, 288, 40)
+  assert layer_activation_bytes(terms, SEQ, SEQ, Layout(), "none") == SEQ * (128 + 288 + 40 * 8)
   flash = activation_terms(dataclasses.replace(SMALL, flash_attention=True), 2, "llama")
   assert flash.scores == 0
 

@@ -6,11 +6,11 @@ activations: `trainer_precision("float32")`) and no workspace allowance.
 - Parameters + optimizer state are the program's arguments (less the batch): equal within 2%
   (measured: within 0.03%; the rest is the step counter, the RNG key and Adam's count).
 - Gradients, activations, logits and temporaries live in the program's temporaries. The estimate
-  tracks them within a factor of 2 (measured 0.51-1.05 x compiled): XLA keeps buffers the
+  tracks them within a factor of 2 (measured 0.58-0.97 x compiled): XLA keeps buffers the
   formulas do not count. Above all, XLA:CPU lowers each reduce-scatter as a full all-reduce plus
-  a slice, so tensor parallelism without SP (0.51) holds whole [B, L, D] reduction buffers the
+  a slice, so tensor parallelism without SP (0.58) holds whole [B, L, D] reduction buffers the
   GPU program would not; it also keeps fp32 copies of fused elementwise chains. On the 8.86B model
-  compiled for 8 H100s the estimate is 1.07-1.22x the compiled peak, high without remat
+  compiled for 8 H100s the estimate is 0.71-1.08x the compiled peak, low without remat
   (benchmarks/results/compile_vs_estimate.jsonl; docs/planning.md, Analytic and instant).
 """
 

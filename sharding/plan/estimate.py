@@ -321,61 +321,54 @@ def state_bytes(shardable: float, replicated: float, layout: Layout,
 class ActivationTerms:
   """Bytes stored per token per layer (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4):
   `replicated` stays whole under TP (split only by SP), `split` is split by TP, `scores` (per unit
-  of sequence length) is the attention-score part that selective recomputation drops, and
-  `attention_out` (split by TP) the attention output, which selective recomputation drops too."""
+  of sequence length) is the attention-score part that selective recomputation drops."""
 
   replicated: float
   split: float
   scores: float
   layer_input: float  # the residual stream entering the layer: all that full recomputation keeps
-  attention_out: float = 0.0
 
 
 def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
                      kv_heads: float | None = None) -> ActivationTerms:
   """`playbook`: GPT blocks with dropout, sbh(34 + 5as/h) at 2 bytes, i.e. 10h + 24h + 5as
-  (scaled by act_bytes/2). `llama`: what meshtron's blocks (RMSNorm, GQA, SwiGLU, no dropout)
-  keep under its remat policies (models/compute.py), which store the outputs of matmuls, kernels
-  and collectives and recompute norms, rope and SwiGLU's product in the backward:
-  - whole under TP: the layer's input and the attention projection's output, 2h (MLA adds its
-    compressed q and kv with the rope key);
-  - split by TP: q, k and v (H Dh + 2 K Dv), the gate and up projections (2F; an MoE's routed
-    and shared experts' 2 F_e each, plus the router logits);
-  - the attention output (H Dv), which `selective` recomputes with the attention;
-  - per score element, the XLA reference attention's fp32 probabilities, 4 a s (nothing with a
-    fused flash kernel).
-  `kv_heads`: the K that attention keeps (default the model's; more where Ulysses replicates)."""
+  (scaled by act_bytes/2). `llama`: our blocks (RMSNorm, GQA, SwiGLU, no dropout): norm inputs and
+  outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
+  element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
+  the probabilities, (8 + e) a s (nothing with fused flash attention). `kv_heads`: the K that
+  attention keeps (default the model's; more where Ulysses replicates them)."""
   m, e = model, act_bytes
   if formula == "playbook":
     return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,
                            5 * m.num_heads * e / 2, m.embed_dim * e)
   if formula != "llama":
     raise ValueError(f"activation formula {formula!r} is not one of llama, playbook")
-  ff = 2 * m.mlp_dim
+  ff = 3 * m.mlp_dim
   if m.moe:  # each token's top-k experts (+ shared), plus the router logits; mean over layers
-    routed = (m.moe.experts_per_token + m.moe.shared_experts) * 2 * m.moe.expert_mlp_dim + \
+    routed = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
         m.moe.num_experts
     ff = routed * m.moe_share() + ff * (1 - m.moe_share())
-  qkv = m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
-  # MLA: the compressed q and kv with the rope key, whole on every tensor-parallel device.
+  qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
+  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole on every
+  # tensor-parallel device.
   latents = 0 if m.mla is None else \
-      m.mla.q_lora_rank + m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
-  scores = 0 if m.flash_attention else m.num_heads * 4
-  return ActivationTerms((2 * m.embed_dim + latents) * e, (qkv + ff) * e, scores,
-                         m.embed_dim * e, m.num_heads * m.v_head_dim() * e)
+      2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+  scores = 0 if m.flash_attention else m.num_heads * (8 + e)
+  return ActivationTerms((4 * m.embed_dim + latents) * e, (qkvo + ff) * e, scores,
+                         m.embed_dim * e)
 
 
 def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
                            remat: str) -> float:
   """Stored activations of one layer for `tokens` tokens on one device. none: replicated/(t if
-  SP) + (split + attention output)/t + scores s/t; selective: without the scores and the attention
-  output; full: only the layer input (2sbh at 2 bytes), split by t under SP."""
+  SP) + split/t + scores s/t; selective: without the scores; full: only the layer input (2sbh at
+  2 bytes), split by t under SP."""
   t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
   if remat == "full":
     return tokens * terms.layer_input / sp_div
   per_token = terms.replicated / sp_div + terms.split / t
   if remat == "none":
-    per_token += terms.attention_out / t + terms.scores * seq_len / t
+    per_token += terms.scores * seq_len / t
   return tokens * per_token
 
 
