@@ -137,3 +137,18 @@ def test_a_tracked_run_that_is_gone_names_the_ids_file(tmp_path, monkeypatch):
                      r"tracking.json \(remove its mlflow entry to start a new tracked run\)"):
     loop.run(tiny_run(tracking="mlflow"), str(tmp_path))
   assert not compiled
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line_before_anything(tmp_path):
+  """Its client retried for about 4 minutes (246 s measured) before failing."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # closed again: nothing listens there
+  workdir = tmp_path / "run"
+  with pytest.raises(tracking.TrackingError,
+                     match=rf"MLflow at http://127.0.0.1:{port}: 127.0.0.1:{port} accepts no"
+                     " connection; start the tracking server"):
+    loop.run(tiny_run(tracking="mlflow", tracking_mlflow_uri=f"http://127.0.0.1:{port}"),
+             str(workdir))
+  assert not workdir.exists()

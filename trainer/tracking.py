@@ -12,7 +12,9 @@ import json
 import logging as pylogging
 import netrc
 import os
+import socket
 import time
+import urllib.parse
 import uuid
 
 from absl import logging
@@ -56,6 +58,9 @@ def check(cfg) -> None:
     if missing:
       raise TrackingError(f"tracking={cfg.tracking!r} needs {', '.join(missing)}, not installed:"
                           " pip install 'meshtron[tracking]', or drop it from --config.tracking")
+  uri = cfg.tracking_mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+  if "mlflow" in names and uri.startswith(("http://", "https://")):
+    _check_server_answers(uri)
   if "wandb" in names:
     mode = wandb_mode(cfg)
     if mode not in WANDB_MODES:
@@ -65,6 +70,20 @@ def check(cfg) -> None:
       raise TrackingError("tracking=wandb is online but this machine has no W&B login: run"
                           " `wandb login` (or set WANDB_API_KEY), or log offline with"
                           " --config.tracking_wandb_mode=offline and `wandb sync` later")
+
+
+def _check_server_answers(uri: str) -> None:
+  """TrackingError when nothing accepts a connection at an MLflow server's host and port: its
+  client would retry for about 4 minutes before failing."""
+  parsed = urllib.parse.urlsplit(uri)
+  port = parsed.port or (443 if parsed.scheme == "https" else 80)
+  try:
+    socket.create_connection((parsed.hostname, port), timeout=5).close()
+  except OSError as e:
+    why = "cannot be resolved" if isinstance(e, socket.gaierror) else "accepts no connection"
+    raise TrackingError(f"MLflow at {uri}: {parsed.hostname}:{port} {why}; start the tracking"
+                        " server, or fix --config.tracking_mlflow_uri ($MLFLOW_TRACKING_URI)"
+                        ) from None
 
 
 def _wandb_logged_in() -> bool:
