@@ -58,7 +58,7 @@ def check(cfg) -> None:
     if missing:
       raise TrackingError(f"tracking={cfg.tracking!r} needs {', '.join(missing)}, not installed:"
                           " pip install 'meshtron[tracking]', or drop it from --config.tracking")
-  uri = cfg.tracking_mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+  uri = mlflow_uri(cfg, workdir="")
   if "mlflow" in names and uri.startswith(("http://", "https://")):
     _check_server_answers(uri)
   if "wandb" in names:
@@ -70,6 +70,13 @@ def check(cfg) -> None:
       raise TrackingError("tracking=wandb is online but this machine has no W&B login: run"
                           " `wandb login` (or set WANDB_API_KEY), or log offline with"
                           " --config.tracking_wandb_mode=offline and `wandb sync` later")
+
+
+def mlflow_uri(cfg, workdir: str) -> str:
+  """tracking_mlflow_uri, else $MLFLOW_TRACKING_URI, else the workdir's sqlite store ("" when no
+  `workdir` is given)."""
+  default = f"sqlite:///{os.path.join(workdir, 'mlflow.db')}" if workdir else ""
+  return cfg.tracking_mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or default
 
 
 def _check_server_answers(uri: str) -> None:
@@ -160,8 +167,7 @@ class _MlflowRun:
     from mlflow.tracking import MlflowClient  # the optional extra, imported only when asked for
     for name in ("mlflow", "alembic"):  # their INFO lines (database migrations) are noise here;
       pylogging.getLogger(name).setLevel(pylogging.WARNING)  # set after mlflow configured them
-    uri = (cfg.tracking_mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-           or f"sqlite:///{os.path.join(workdir, 'mlflow.db')}")
+    uri = mlflow_uri(cfg, workdir)
     try:
       self.client = MlflowClient(uri)
       if run_id is None:
