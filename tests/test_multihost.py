@@ -134,3 +134,44 @@ def test_training_under_slurm_srun(tmp_path, single):
   two = losses(tmp_path)
   np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [single[s] for s in (1, 2, 3)],
                              rtol=1e-5)
+
+
+def test_a_peer_killed_under_slurm_ends_the_step_in_one_line(tmp_path):
+  """Under `srun` the coordinator is resolved by meshtron (not JAX), so the peer links exist
+  there too: SIGKILL task 1 and task 0 ends within seconds in one line, not JAX's native abort."""
+  if not slurm_available():
+    if os.environ.get("MESHTRON_REQUIRE_SLURM"):
+      pytest.fail("MESHTRON_REQUIRE_SLURM is set but no SLURM controller answers (.ci/slurm.sh)")
+    pytest.skip("no SLURM on this machine: .ci/run installs and starts one (.ci/slurm.sh start)")
+  step = subprocess.Popen(
+      ["srun", "-N1", "-n2", "--time=10", "--kill-on-bad-exit=0", MESHTRON, *TRAIN,
+       f"--workdir={tmp_path}", "--config.steps=10000", "--cpu_devices=4"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(), cwd=REPO)
+  metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
+  while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    assert time.time() < deadline and step.poll() is None, step.communicate()[1][-3000:]
+    time.sleep(0.2)
+  os.kill(task_pid(tmp_path, rank=1), signal.SIGKILL)
+  killed_at = time.time()
+  _, stderr = step.communicate(timeout=120)
+  assert time.time() - killed_at < 10, stderr[-3000:]  # heartbeat 10 s: the link, not JAX
+  errors = [line for line in stderr.splitlines() if line.startswith("meshtron: error")
+            or "Traceback" in line or line.startswith(("F1", "E1", "*** "))]
+  assert errors == [line for line in errors if line.startswith(
+      "meshtron: error: process 1 of 2 stopped: its connection closed; this is process 0")]
+  assert len(errors) == 1, stderr[-3000:]
+
+
+def task_pid(workdir, rank: int) -> int:
+  """The pid of the srun task of SLURM rank `rank` training into `workdir`."""
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        command = f.read().split(b"\0")
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    except OSError:
+      continue
+    if f"--workdir={workdir}".encode() in command and f"SLURM_PROCID={rank}".encode() in environ:
+      return int(entry)
+  raise AssertionError(f"no task of rank {rank} training into {workdir}")

@@ -73,3 +73,23 @@ def test_a_start_up_that_cannot_succeed_ends_after_the_probe_not_the_timeout(
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
   assert fragment.format(port=port) in lines[0] and time.time() - started < 60
+
+
+@pytest.mark.parametrize("environ, address", [
+    ({"SLURM_STEP_NODELIST": "gpu-node-[007-015,020],login1", "SLURM_JOB_ID": "4097"},
+     "gpu-node-007:57346"),
+    ({"SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "12", "JAX_COORDINATOR_PORT": "7000"},
+     "vm:7000"),
+    ({"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"},
+     "10.96.0.1:59712"),
+    ({"OMPI_MCA_orte_hnp_uri": "1314521088.0;tcp6://[fe80::b9b:ac5d]:43370"}, None),
+])
+def test_the_launchers_coordinator_is_resolved_for_the_peer_links(monkeypatch, environ, address):
+  """SLURM: the step's first node; Open MPI: the launcher's IPv4 address (IPv6: left to JAX, no
+  links). The port is even, one per job, so a neighbouring job never takes this one's port + 1."""
+  from trainer.process import distributed
+  monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+  for name, value in environ.items():
+    monkeypatch.setenv(name, value)
+  launcher = "slurm" if "SLURM_JOB_ID" in environ else "openmpi"
+  assert distributed.launcher_coordinator(launcher) == address

@@ -4,6 +4,7 @@ Kubernetes), timeouts that never hang, and hard exits so no peer waits in a coll
 import errno
 import glob
 import os
+import re
 import socket
 
 import jax
@@ -65,10 +66,18 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ValueError(f"--process_id={process_id} must be in [0, --num_processes="
                        f"{num_processes})")
-  if not coordinator and detect_launcher() is None:
+  launcher = None if coordinator else detect_launcher()
+  if not coordinator and launcher is None:
     return False
-  if coordinator and process_id == 0:
+  # Under a launcher the coordinator is resolved here, not by JAX, so the peer links know where
+  # process 0 is; JAX still reads the process count, index and local GPU from the launcher.
+  resolved = launcher and launcher_coordinator(launcher)
+  rank = process_id if process_id >= 0 else launcher_rank()
+  if coordinator and rank == 0:
     check_port_free(coordinator)
+  elif resolved and rank == 0:
+    check_port_free(resolved, f"the coordinator {resolved} (under {launcher})",
+                    "set JAX_COORDINATOR_PORT to a free one")
   # JAX's own start-up timeout ends in a native abort dump: ours fires first, in one line.
   kwargs = dict(initialization_timeout=cfg.initialization_timeout_s + 60,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
@@ -76,22 +85,46 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
   if coordinator:
     kwargs.update(coordinator_address=coordinator, num_processes=num_processes,
                   process_id=process_id)
+  elif resolved:
+    kwargs["coordinator_address"] = resolved
   ids = local_device_ids(cfg.local_device_ids)
   if ids is not None:
     kwargs["local_device_ids"] = ids
   expected = num_processes or os.environ.get("SLURM_NTASKS") or os.environ.get(
       "OMPI_COMM_WORLD_SIZE") or "?"
-  me = process_id if process_id >= 0 else os.environ.get(
-      "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
   global _watch
-  _watch = JoinWatch(coordinator, me, expected, cfg.initialization_timeout_s,
-                     silence_s=0.75 * cfg.heartbeat_timeout_s, probe_s=cfg.coordinator_probe_s)
+  _watch = JoinWatch(coordinator or resolved or "", "?" if rank is None else rank, expected,
+                     cfg.initialization_timeout_s,
+                     silence_s=0.75 * cfg.heartbeat_timeout_s, probe_s=cfg.coordinator_probe_s,
+                     launcher=launcher)
   jax.distributed.initialize(**kwargs)
   _watch.joined()
   return True
 
 
-def check_port_free(coordinator: str) -> None:
+def launcher_rank() -> int | None:
+  rank = os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", ""))
+  return int(rank) if rank.isdigit() else None
+
+
+def launcher_coordinator(launcher: str) -> str | None:
+  """host:port of process 0 under `launcher`: SLURM's first node of the step, or Open MPI's
+  launcher address (IPv4). The port is $JAX_COORDINATOR_PORT, else one per job id (even, so a
+  neighbouring job's coordinator is never this job's port + 1). None: left to JAX's detection."""
+  if launcher == "slurm":
+    first = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", os.environ["SLURM_STEP_NODELIST"])
+    host, job = first.group(1) + (first.group(2) or ""), os.environ["SLURM_JOB_ID"]
+  else:
+    uri = os.environ["OMPI_MCA_orte_hnp_uri"]  # e.g. 1531576320.0;tcp://10.96.0.1,10.1.0.1:349
+    address = re.search(r"tcp://([^,:;]+)", uri)
+    host, job = (address.group(1) if address else ""), str(int(uri.split(".")[0]) // 4096)
+  if not host or not job.isdigit():
+    return None
+  port = os.environ.get("JAX_COORDINATOR_PORT") or str(57344 + 2 * (int(job) % 4096))
+  return f"{host}:{port}"
+
+
+def check_port_free(coordinator: str, named: str = "", fix: str = "choose a free port") -> None:
   """ValueError when process 0's coordinator port is already taken on this host (JAX's service
   would crash natively trying to serve on it)."""
   port = int(coordinator.rpartition(":")[2])
@@ -100,8 +133,8 @@ def check_port_free(coordinator: str) -> None:
   except OSError as e:
     if e.errno != errno.EADDRINUSE:
       return  # not ours to judge (e.g. no IPv4): JAX reports it
-    raise ValueError(f"--coordinator={coordinator}: port {port} is already in use on this host"
-                     " (another run's coordinator?); choose a free port") from None
+    raise ValueError(f"{named or '--coordinator=' + coordinator}: port {port} is already in use"
+                     f" on this host (another run's coordinator?); {fix}") from None
 
 
 def exit_hard_on_error(fn, *args, describe=None, **kwargs):

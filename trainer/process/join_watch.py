@@ -14,8 +14,10 @@ closed by the kernel, however it died: the other side prints one line and exits 
 that vanishes sends nothing: the other side ends after 3/4 of the heartbeat timeout, before JAX's
 abort. A process that ends normally says so first ("bye"), and its peers stop watching it.
 
-All of this is best effort: if port + 1 is taken, or the launcher chose the coordinator, there is
-no roll call and no link, and the start-up line gives the expected count alone.
+Under SLURM and Open MPI the coordinator is resolved by trainer.process.distributed, so the same
+links exist there. All of this is best effort: if port + 1 is taken, or the coordinator could not
+be resolved, there is no roll call and no link, and the start-up line gives the expected count
+alone.
 """
 
 import os
@@ -43,8 +45,11 @@ class JoinWatch:
   this process's work ended normally."""
 
   def __init__(self, coordinator: str, process_id, expected, timeout_s: int,
-               silence_s: float = 22.5, probe_s: float = 60):
+               silence_s: float = 22.5, probe_s: float = 60, launcher: str | None = None):
     self.process_id, self.expected, self.timeout_s = process_id, expected, timeout_s
+    # Where the coordinator's address came from, for the hints of the start-up lines.
+    self.named_by = {"slurm": "the step's first node (SLURM_STEP_NODELIST)",
+                     "openmpi": "Open MPI's launcher address"}.get(launcher, "--coordinator")
     self.coordinator, self.silence_s = coordinator, silence_s
     self.probe_s = probe_s if 0 < probe_s < timeout_s else 0  # else: the timeout says it
     self.seen = {process_id}
@@ -115,7 +120,7 @@ class JoinWatch:
           what = ("cannot be resolved" if not resolved else "accepts no connection")
           end(f"the coordinator {self.coordinator} {what} after {self.probe_s:.0f} s (this is"
               f" process {self.process_id}); check that process 0 was started and that"
-              " --coordinator names its host and port, or raise"
+              f" {self.named_by} is its host, or raise"
               " --config.distributed.coordinator_probe_s")
         time.sleep(0.5)
         continue
@@ -191,7 +196,7 @@ class JoinWatch:
       if self.listening and len(self.seen) == 1:  # no other process reached this one at all
         end(f"no other process reached the coordinator {self.coordinator} within"
             f" {self.probe_s:.0f} s (this is process 0, expecting {self.expected}); check that"
-            " the others were started with this --coordinator, or raise"
+            f" the others were started with the coordinator of {self.named_by}, or raise"
             " --config.distributed.coordinator_probe_s")
     waited = self.probe_s if self.process_id == 0 else 0
     if not self._done.wait(self.timeout_s - waited):
