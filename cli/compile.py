@@ -5,6 +5,7 @@ described GPU cluster with no GPU present: trainer/aot.py), reported as a table 
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 
 from cli import flags
@@ -20,6 +21,11 @@ def run(config: TrainConfig) -> None:
     rep, device_memory = compile_report(resolve_init_from(config), flags.TARGET.value, hlo)
     print(json.dumps(dataclasses.asdict(rep)) if flags.JSON.value
           else compiled.format_report(rep, device_memory))
+    if device_memory and not compiled.fits(rep, device_memory)[0]:  # also for --json readers
+      print(f"meshtron: warning: this step does not fit {rep.target}: its peak is"
+            f" {rep.memory['peak'] / compiled.GIB:,.1f} GiB per device, the device has"
+            f" {device_memory / compiled.GIB:,.1f} GiB; `meshtron plan` lists layouts that fit",
+            file=sys.stderr)
     if flags.TIMELINE.value and not flags.JSON.value:
       with open(hlo) as f:
         text = f.read()

@@ -72,12 +72,16 @@ def test_cli_json_and_hlo_dump(tmp_path):
   hlo_path = tmp_path / "step.hlo"
   result = subprocess.run(
       [MESHTRON, "compile", "--cpu_devices=8", "--config.mesh.data=8", "--json",
-       f"--hlo={hlo_path}", "--config.model.num_layers=2"],
+       f"--hlo={hlo_path}", "--config.model.num_layers=2", "--config.device_memory_gib=0.001"],
       capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=REPO, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report["num_devices"] == 8 and report["summary"]["all-reduce"]["executions"] >= 1
   assert hlo_path.read_text().startswith("HloModule")
+  # A step that does not fit says so on stderr too (a --json reader sees it), exit code 0.
+  warning = [line for line in result.stderr.splitlines() if line.startswith("meshtron: warn")]
+  assert len(warning) == 1 and "does not fit local: its peak is" in warning[0]
+  assert "the device has 0.0 GiB; `meshtron plan` lists layouts that fit" in warning[0]
 
 
 def test_unknown_target_is_one_line():
