@@ -67,11 +67,12 @@ PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook 
                                 " master, Adam fp32), playbook_fp32_accum, fp32, or trainer"
                                 " (what trainer/ stores today: fp32 params, grads and moments)")
 PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
-GPUS = flags.DEFINE_integer("gpus", 0, "plan: number of GPUs (default nodes x gpus_per_node);"
-                            " memory --config: devices the mesh fills", lower_bound=0)
+GPUS = flags.DEFINE_integer("gpus", None, "plan: number of GPUs (default nodes x gpus_per_node);"
+                            " memory --config: devices the mesh fills (default a node)",
+                            lower_bound=1)
 NODES = flags.DEFINE_integer("nodes", 1, "plan: number of nodes", lower_bound=1)
-GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", 0, "plan: GPUs per node (default: the"
-                                     " profile's, 8)", lower_bound=0)
+GPUS_PER_NODE = flags.DEFINE_integer("gpus_per_node", None, "plan: GPUs per node (default: the"
+                                     " profile's, 8)", lower_bound=1)
 BATCH = flags.DEFINE_string("global_batch_tokens", "1M", "plan: tokens per step (1M = 2**20)")
 TOP = flags.DEFINE_integer("top_k", 10, "plan: layouts to print", lower_bound=1)
 COMPILE_TOP = flags.DEFINE_integer(
@@ -193,6 +194,10 @@ def parse(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
   except KeyError as e:  # ml-collections: a config field that does not exist
     fail(f"unknown config key: {e.args[0]}")
+  except flags.UnrecognizedFlagError as e:  # absl: "Unknown command line flag 'x'" alone
+    verb = argv[0].split()[-1]
+    fail(f"unknown flag --{e.flagname} for `meshtron {verb}`; its flags:"
+         f" {', '.join('--' + n for n in VERB_FLAGS[verb])} (meshtron {verb} --help)")
   except (flags.Error, ValueError, TypeError) as e:
     fail(str(e).splitlines()[0])
   check_verb_flags(argv[0].split()[-1])

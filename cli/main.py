@@ -33,6 +33,8 @@ def main() -> None:
     # At once: a Ctrl-C during start-up can leave native threads (a compile, the data loader)
     # running, and the interpreter's shutdown around them crashed (a segmentation fault dump
     # after the line). Nothing is left to save.
+    from trainer.process import workdir  # light: no JAX
+    workdir.remove_if_unused()
     fail("interrupted; nothing was saved", code=130, at_once=True)
 
 

@@ -143,6 +143,11 @@ def cases(tmp):
       ("plan --seq=0", ["plan", "--model=llama3_8b", "--seq=0"], "--seq=0"),
       ("plan --gpus=-8", ["plan", "--model=llama3_8b", "--gpus=-8"], "--gpus=-8"),
       ("plan --nodes=-1", ["plan", "--model=llama3_8b", "--nodes=-1"], "--nodes=-1"),
+      ("plan --gpus=0", ["plan", "--model=llama3_8b", "--gpus=0"], "--gpus=0: 0 is not a"),
+      ("plan --gpus_per_node=0", ["plan", "--model=llama3_8b", "--gpus_per_node=0"],
+       "--gpus_per_node=0: 0 is not a"),
+      ("unknown flag", ["plan", "--model=llama3_8b", "--bogus=1"],
+       "unknown flag --bogus for `meshtron plan`; its flags: --model"),
       ("memory --seq=-5", ["memory", "--model=llama3_8b", "--layout=dp=8", "--seq=-5"],
        "--seq=-5"),
       ("cpu_devices=-1", ["train", "--cpu_devices=-1"], "--cpu_devices=-1"),
@@ -373,9 +378,11 @@ def test_a_second_ctrl_c_stops_at_once_without_saving():
 def test_a_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   """Issue [27]: a Ctrl-C before training has installed its handlers (here while the step
   compiles) ends with one line and 130. Before, the line was followed by a native segmentation
-  fault dump from the interpreter's shutdown around JAX's running threads."""
+  fault dump from the interpreter's shutdown around JAX's running threads. The workdir it made
+  holds nothing then (it held the lock file): it is removed."""
+  workdir = tmp_path / "new" / "run"
   proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "meshtron"), "train",
-                           "--config=debug", f"--workdir={tmp_path}", "--cpu_devices=1"],
+                           "--config=debug", f"--workdir={workdir}", "--cpu_devices=1"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=environment(), cwd=REPO)
   try:
@@ -386,4 +393,4 @@ def test_a_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   assert proc.returncode == 130, stderr[-2000:]
   assert "Fatal Python error" not in stderr and "Traceback" not in stderr
   assert stderr.strip().splitlines()[-1] == "meshtron: error: interrupted; nothing was saved"
-  assert not (tmp_path / "checkpoints").exists()
+  assert os.listdir(tmp_path) == []

@@ -57,13 +57,34 @@ def check(path: str) -> str:
   return path
 
 
+_created: list[str] = []  # the directories prepare() made, innermost first
+
+
 def prepare(path: str) -> None:
   """Creates the checked workdir `path` (and its missing parents)."""
+  missing, parent = [], os.path.abspath(path)
+  while not os.path.exists(parent):
+    missing.append(parent)
+    parent = os.path.dirname(parent)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
     raise WorkdirError(f"workdir {path} cannot be created ({e.strerror}); choose another"
                        " --workdir") from None
+  _created[:] = missing
+
+
+def remove_if_unused() -> None:
+  """Removes what prepare() made when the run stopped before writing anything there (a Ctrl-C
+  during start-up): the directories it created, if they hold nothing but the lock file."""
+  for directory in _created:
+    try:
+      if os.path.exists(lock := os.path.join(directory, LOCK_NAME)) and os.listdir(directory) == [
+          LOCK_NAME]:
+        os.remove(lock)
+      os.rmdir(directory)  # fails, and stops here, when anything else is in it
+    except OSError:
+      return
 
 
 def _holder(text: str) -> str:
