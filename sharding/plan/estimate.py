@@ -58,9 +58,7 @@ class ModelSpec:
   flash_attention: bool = False
   qk_norm: bool = False  # Qwen3: two more norm scales of head_dim per layer
   mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (models/mtp.py)
-  # Multi-head latent attention: models.config.MLAConfig (or anything with its fields and
-  # `params`/`norm_params`); None: grouped-query attention.
-  mla: Any = None
+  mla: Any = None  # models.config.MLAConfig (its fields, params(), norm_params()); None: GQA
   sliding_window: int = 0  # models.config.ModelConfig's window and its full-attention period
   full_attention_every: int = 0
   context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
@@ -199,8 +197,7 @@ class Precision:
   grad_accum_bytes: int  # a separate accumulation buffer (0: accumulate in place)
   opt_bytes: int  # each of Adam's two moments
   act_bytes: int  # activations (compute dtype)
-  # A separate accumulator only while gradient accumulation runs (ga > 1): the trainer's scan carry.
-  accum_only_when_microbatching: bool = False
+  accum_only_when_microbatching: bool = False  # the trainer's: a scan carry only while ga > 1
 
 
 # The playbook's mixed precision: bf16 params and grads, fp32 master weights and Adam moments
@@ -301,11 +298,13 @@ def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
   return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
-def state_bytes(shardable: float, replicated: float, layout: Layout,
-                precision: Precision, experts: float = 0.0) -> tuple[float, float, float]:
+def state_bytes(shardable: float, replicated: float, layout: Layout, precision: Precision,
+                experts: float = 0.0, tables: float | None = None) -> tuple[float, float, float]:
   """(params, grads, optimizer) bytes per device (`experts`: the routed experts' share of
   `shardable`). ZeRO (arXiv:1910.02054, the playbook's "ZeRO" section): 2Psi + 2Psi + kPsi/N_d
-  (stage 1), 2Psi + (2+k)Psi/N_d (2), (4+k)Psi/N_d (3), k = 12 for Adam with fp32 masters."""
+  (stage 1), 2Psi + (2+k)Psi/N_d (2), (4+k)Psi/N_d (3), k = 12 for Adam with fp32 masters.
+  `tables` given: the trainer's microbatches without stages add the layer stacks' gradients into
+  the accumulator in the backward (models/accumulating_scan.py); only the tables have a buffer."""
   pr = precision
   accumulating = layout.microbatches > 1 or not pr.accum_only_when_microbatching
   accum = pr.grad_accum_bytes if accumulating else 0
@@ -313,6 +312,8 @@ def state_bytes(shardable: float, replicated: float, layout: Layout,
              for n, e in zip(shards(layout), shards(layout, experts=True)))
   params = pr.param_bytes * (p + replicated)
   grads = (pr.grad_bytes + accum) * (g + replicated)
+  if tables is not None and accum and pr.accum_only_when_microbatching and layout.pipeline == 1:
+    grads = accum * (g + replicated) + pr.grad_bytes * tables / shards(layout)[1]
   optimizer = (pr.master_bytes + 2 * pr.opt_bytes) * (o + replicated)
   return params, grads, optimizer
 
@@ -378,16 +379,15 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
-                                         counts.experts)
+                                         counts.experts, counts.tables)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
   terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
   in_flight = schedules.in_flight_microbatches(lay.pipeline_schedule, lay.pipeline,
                                                lay.microbatches, lay.virtual_stages)
-  # Each multi-token prediction module stores about a layer's activations and its own logits, for
-  # one microbatch: with pipeline stages the last one runs them, and its backward follows each
-  # of its forwards at once (the executor recomputes the last position's forward there).
+  # Each multi-token prediction module stores about a layer's activations and its logits for one
+  # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth)
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)
