@@ -350,3 +350,25 @@ def test_sigterm_while_sampling_ends_the_sample_and_exits_zero(tmp_path):
   assert "Traceback" not in stderr
   assert "SIGTERM: sampling stopped after" in stdout and committed(tmp_path)[-1] == 12
   assert (tmp_path / "sample.txt").read_text()
+
+
+def test_evals_and_saves_are_off_the_step_clock(tmp_path, monkeypatch):
+  """A step's time (and its tokens/s and MFU) is its own: an eval or a checkpoint save, made 2 s
+  slower here, is not counted in it. Before, the eval's step and the step after a save read
+  2 s slower."""
+  slowed = []
+
+  def slower(method):
+    def run(self, *args, **kwargs):
+      slowed.append(method.__name__)
+      time.sleep(2)
+      return method(self, *args, **kwargs)
+    return run
+  monkeypatch.setattr(Trainer, "evaluate", slower(Trainer.evaluate))
+  monkeypatch.setattr(checkpoint.Checkpointer, "save", slower(checkpoint.Checkpointer.save))
+  cfg = tiny_run(steps=6, eval_every=2)
+  cfg.checkpoint.every_steps = 3
+  loop.run(cfg, str(tmp_path))
+  assert slowed == ["evaluate", "save", "evaluate", "evaluate", "save"]
+  times = {step: row["step_time_s"] for step, row in rows(tmp_path).items()}
+  assert all(times[step] < 1.5 for step in range(2, 7)), times

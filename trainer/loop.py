@@ -173,13 +173,17 @@ def _train(trainer, ckpt, train_iter, start, meta, progress, stops, workdir) -> 
           fingerprint = next_fingerprint
         ckpt.check()  # a failed asynchronous save stops the run here, not steps later
         stop = stops.should_stop()
+        # Evals and saves are off the step clock: step_time_s, tokens/s and MFU are the step's.
         if not stop and (step % cfg.eval_every == 0 or step == cfg.steps):
-          eval_loss = trainer.evaluate(stops.should_stop)  # None: a stop cut it short
+          with progress.off_the_clock(running=step_metrics):
+            eval_loss = trainer.evaluate(stops.should_stop)  # None: a stop cut it short
           flush({"eval_loss": eval_loss} if eval_loss is not None else None)
           stop = eval_loss is None
         if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or stop:
           flush()  # a non-finite step raises here, before anything is saved
-          ckpt.save(step, trainer.state, step_data_state, meta, wait=stop or step == cfg.steps)
+          with progress.off_the_clock():
+            ckpt.save(step, trainer.state, step_data_state, meta,
+                      wait=stop or step == cfg.steps)
           last_saved = (step, step_data_state)
         if stop:
           print(f"{stops.requested}: checkpoint of step {step} saved in {ckpt.directory}; rerun"

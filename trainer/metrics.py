@@ -1,5 +1,6 @@
 """Metric writers (stdout progress, JSONL, TensorBoard), model FLOPs, peak FLOP/s and MFU."""
 
+import contextlib
 import json
 import os
 import sys
@@ -118,6 +119,18 @@ class Progress:
           if k in values]))
     self.last = values
     return values
+
+  @contextlib.contextmanager
+  def off_the_clock(self, running=None):
+    """Time in the block (an eval, a checkpoint save) is not counted in any step's time, once
+    `running` (the metrics of a step still on the device) are ready: that step's own time is."""
+    if running is not None:
+      jax.block_until_ready(running)
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.last_done += time.perf_counter() - start
 
   def close(self) -> None:
     self.bar.close()
