@@ -100,7 +100,7 @@ def refusal(run: dict) -> str:
 
 def predict(run: dict, hw: hardware.HardwareProfile) -> float:
   return hardware.step_time(_SPECS[run["model"]], layout_of(run), SEQ, PRECISION, hw,
-                            hardware.NANOTRON_ORDER).tokens_per_s_per_gpu
+                            hardware.NANOTRON_ORDER, stages_recompute=False).tokens_per_s_per_gpu
 
 
 def spearman(a: list, b: list) -> float:
@@ -141,7 +141,8 @@ def score(scored: list[dict], hw: hardware.HardwareProfile) -> dict:
   for r in scored:
     p = predict(r, hw)
     cells[(r["model"], int(r["nodes"]))].append((p, float(r["tokens_per_s_gpu"])))
-    mem = estimate.memory(_SPECS[r["model"]], layout_of(r), SEQ, PRECISION).total / 1e9
+    mem = estimate.memory(_SPECS[r["model"]], layout_of(r), SEQ, PRECISION,
+                          stages_recompute=False).total / 1e9  # nanotron stores activations
     memory_errors.append(abs(mem / float(r["mem_reserved_gb"]) - 1))
   rows = []
   for (model, nodes), pairs in sorted(cells.items()):

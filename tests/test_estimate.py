@@ -18,6 +18,7 @@ from sharding.layout import Layout
 from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM,
                                ModelSpec, activation_terms, layer_activation_bytes, memory,
                                model_spec, param_counts, state_bytes, trainer_precision)
+from sharding.pipeline import schedules
 from sharding.pipeline.schedules import bubble_ratio, in_flight_microbatches, table_if_valid
 
 SMALL = ModelSpec(vocab_size=100, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -278,7 +279,8 @@ def test_pipeline_keeps_the_first_stage_activations_and_sp_divides_them():
   microbatches of L/p layers); SP: the activations per device become b s h / tp."""
   model = MODELS["playbook_8b"]
   none = memory(model, Layout(), 4096, PLAYBOOK_MIXED, formula="playbook").activations
-  pp = memory(model, Layout(pipeline=4, microbatches=8), 4096, PLAYBOOK_MIXED, formula="playbook").activations
+  pp = memory(model, Layout(pipeline=4, microbatches=8), 4096, PLAYBOOK_MIXED, formula="playbook",
+              stages_recompute=False).activations  # Megatron's stages store the activations
   assert pp == none
   sp = memory(model, Layout(tensor=8, sequence_parallel=True), 4096, PLAYBOOK_MIXED, formula="playbook")
   assert sp.activations == none / 8
@@ -296,3 +298,24 @@ def test_the_estimator_takes_auto_attention_as_flash():
   assert memory(xla, layout, 4096).activations > memory(auto, layout, 4096).activations
   piped = Layout(pipeline=2, data=4, micro_batch=1, microbatches=8)  # stages run flash too
   assert memory(xla, piped, 4096).activations > memory(auto, piped, 4096).activations
+
+
+def test_meshtron_stages_keep_a_stash_of_chunk_inputs_and_recompute_one_chunk():
+  """meshtron's executor keeps an input and a received gradient per chunk and slot (slots: AFAB m,
+  1F1B min(m, p), interleaved min(m, 2p), the tables' own count) and recomputes one chunk for one
+  microbatch in its backward: activations = 2 v slots b s h e (/ t under SP) + that chunk's
+  layers' activations for one microbatch."""
+  for kind, p, m, v in (("afab", 4, 8, 1), ("1f1b", 4, 2, 1), ("1f1b", 4, 8, 1),
+                        ("interleaved_1f1b", 4, 4, 2), ("interleaved_1f1b", 4, 16, 3),
+                        ("zero_bubble", 4, 8, 1), ("zbv", 4, 8, 2), ("dualpipev", 2, 8, 2)):
+    if schedules.table_if_valid(kind, p, m, v) is not None:
+      assert schedules.executor_stash(kind, p, m, v) == \
+          2 * v * schedules.make(kind, p, m, v).buffer_slots(), (kind, p, m, v)
+  model = model_spec(MODELS["playbook_8b"])
+  for sp, t in ((False, 1), (True, 2)):
+    lay = Layout(pipeline=4, tensor=t, sequence_parallel=sp, microbatches=16,
+                 pipeline_schedule="interleaved_1f1b", virtual_stages=2)
+    one_layer = layer_activation_bytes(activation_terms(model, 2), 4096, 4096, lay, "none")
+    stash = 2 * 2 * 8 * 4096 * model.embed_dim * 2 / t
+    assert memory(model, lay, 4096, PLAYBOOK_MIXED).activations == pytest.approx(
+        stash + one_layer * model.num_layers / 4 / 2)

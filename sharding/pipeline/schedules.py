@@ -175,6 +175,20 @@ def table_if_valid(kind: str, stages: int, microbatches: int, virtual: int = 1) 
     return None
 
 
+@functools.lru_cache(maxsize=512)
+def executor_stash(kind: str, stages: int, microbatches: int, virtual: int = 1) -> int:
+  """Activation-sized buffers the executor (sharding/pipeline/executor.py) holds on each device:
+  an input and a received gradient per chunk and slot, slots being Schedule.buffer_slots() (in
+  closed form for AFAB m, 1F1B min(m, p), interleaved min(m, 2p), tests/test_estimate.py; read
+  off the table for the others)."""
+  p, m = stages, microbatches
+  slots = {"afab": m, "1f1b": min(m, p), "interleaved_1f1b": min(m, 2 * p)}.get(kind)
+  if slots is None:
+    table = table_if_valid(kind, p, m, virtual)
+    slots = table.buffer_slots() if table is not None else min(m, p)
+  return 2 * virtual * slots
+
+
 def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
   """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
   peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et

@@ -31,9 +31,8 @@ class MoESpec:
 
 
 def attention_span(seq_len: int, window: int = 0, full_every: int = 0) -> float:
-  """Twice the mean number of keys a query attends to, averaged over the layers: seq_len for
-  causal attention (the FLOP formulas' convention, s/2 keys a query), 2W - W^2/s for a window W
-  (min(i + 1, W) keys at query i); with `full_every` = N, every Nth layer attends fully."""
+  """Twice the mean number of keys a query attends to over the layers: seq_len when causal (s/2
+  keys a query), 2W - W^2/s for a window W; with `full_every` = N every Nth layer attends fully."""
   if not window or window >= seq_len:
     return float(seq_len)
   windowed = 2 * window - window * window / seq_len
@@ -80,15 +79,13 @@ class ModelSpec:
     return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0) + mla
 
   def attention_flops(self, seq_len: int) -> float:
-    """Training FLOPs of one layer's causal attention per token: QK^T over the q/k head dim and
-    AV over the v head dim, 2 x H x (Dh + Dv) x seq forward without the mask, halved by it, x3
-    with the backward."""
+    """Training FLOPs of one layer's causal attention per token: QK^T and AV, 2 H (Dh + Dv) seq
+    forward without the mask, halved by it, x3 with the backward."""
     span = attention_span(seq_len, self.sliding_window, self.full_attention_every)
     return 3 * self.num_heads * (self.head_dim + self.v_head_dim()) * span
 
   def moe_share(self) -> float:
-    """The fraction of layers that are MoE layers (the per-layer figures below are means over
-    the layers, so totals come out exact and a stage's share is the mean's)."""
+    """The fraction of MoE layers (per-layer figures below are means over the layers)."""
     return (self.num_layers - self.moe.dense_layers) / self.num_layers
 
   def expert_params(self) -> float:
@@ -97,8 +94,7 @@ class ModelSpec:
     return m.num_experts * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() if m else 0
 
   def dense_mlp_params(self) -> float:
-    """MLP weights every token uses, on average over the layers: the dense SwiGLU, or shared
-    experts + the router (and the leading dense layers' SwiGLU)."""
+    """MLP weights every token uses (mean over layers): SwiGLU, or shared experts + router."""
     m, d = self.moe, self.embed_dim
     if not m:
       return 3 * d * self.mlp_dim
@@ -127,8 +123,7 @@ class ModelSpec:
     return self.attention_params() + mlp, norms
 
   def mtp_params(self) -> float:
-    """The MTP modules: each its block, the [2D, D] projection and 3 norms (embedding, hidden,
-    output); the embedding and head are shared."""
+    """The MTP modules: block, [2D, D] projection, 3 norms each (embedding and head shared)."""
     d = self.embed_dim
     return self.mtp_depth * (sum(self.mtp_block()) + 2 * d * d + 3 * d)
 
@@ -160,10 +155,9 @@ ESTIMATOR_MODELS = {
 
 
 def model_spec(model, compute=None) -> ModelSpec:
-  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`). From
-  models.config.MoEConfig: experts, top-k, expert width (0: the model's MLP width), shared
-  experts and the leading dense layers (per-layer figures are means over the layers). Not
-  counted: the aux-loss-free routing bias (E parameters per MoE layer)."""
+  """A ModelSpec from any object with ModelConfig's field names (and optionally `moe`: experts,
+  top-k, expert width (0: the MLP's), shared experts, leading dense layers, as models.config's
+  MoEConfig). Not counted: the aux-loss-free routing bias (E parameters per MoE layer)."""
   if isinstance(model, ModelSpec):
     return model
   moe = getattr(model, "moe", None)
@@ -209,10 +203,9 @@ FULL_FP32 = Precision("fp32", 4, 0, 4, 0, 4, 4)
 
 def trainer_precision(dtype: str = "float32", param_dtype: str = "float32",
                       grad_accum_dtype: str = "", master_weights: bool = False) -> Precision:
-  """What trainer/ does: params and grads in `param_dtype`; AdamW moments in `param_dtype`, or
-  with `master_weights` (OptimConfig.master_weights) float32 moments and a float32 master copy;
-  activations in the compute `dtype`; microbatches accumulate into a scan carry of
-  `grad_accum_dtype` (TrainConfig.grad_accum_dtype; default: `param_dtype`)."""
+  """What trainer/ does: params, grads and AdamW moments in `param_dtype` (`master_weights`:
+  float32 moments and master copy); activations in `dtype`; microbatches accumulate into a scan
+  carry of `grad_accum_dtype` (TrainConfig.grad_accum_dtype; default: `param_dtype`)."""
   p, a = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_accum_dtype or param_dtype]
   m, master = (4, " + fp32 master weights") if master_weights else (0, "")
   return Precision(f"trainer ({param_dtype} params{master}, {dtype} compute)", p, m, p, a,
@@ -374,8 +367,11 @@ def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, 
 
 
 def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
-           formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> Memory:
-  """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence."""
+           formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+           stages_recompute: bool = True) -> Memory:
+  """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
+  `stages_recompute`: meshtron's pipeline executor's stash (schedules.executor_stash) and one chunk
+  recomputed at a time in a backward; False: every in-flight microbatch's activations (Megatron)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
@@ -384,11 +380,15 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
-  in_flight = schedules.in_flight_microbatches(lay.pipeline_schedule, lay.pipeline,
-                                               lay.microbatches, lay.virtual_stages)
+  schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
+  in_flight, stash = schedules.in_flight_microbatches(*schedule), 0.0
+  if lay.pipeline > 1 and stages_recompute:
+    stash = schedules.executor_stash(*schedule) * tokens * m.embed_dim * precision.act_bytes / (
+        lay.tensor if lay.sequence_parallel else 1)
+    in_flight = 1 / lay.virtual_stages
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
-  activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth)
+  activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)
   temporaries = workspace_bytes

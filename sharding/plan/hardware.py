@@ -284,10 +284,12 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
 # ---- how long a step takes ----
 
 
-def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
+def hardware_flops_per_device(model, layout: Layout, seq_len: int,
+                              stages_recompute: bool = True) -> float:
   """FLOPs one device executes per step: its share of 6 x active params x tokens and attention
   (stages assumed balanced, as nanotron balances layers and head), plus recomputation
-  (selective: the attention scores again, 2 H Dh s per layer and token; full: the forward)."""
+  (selective: the attention scores again, 2 H Dh s per layer and token; full: the forward; and
+  with `stages_recompute`, meshtron's pipeline executor, the chunk's forward in its backward)."""
   m, lay = model_spec(model), layout
   # per model replica, per context shard
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
@@ -295,6 +297,8 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int) -> float:
   attention = m.attention_flops(seq_len)
   recompute = {"none": 0.0, "selective": attention / 3,
                "full": 2 * per_layer + attention / 3}[lay.remat]
+  if lay.pipeline > 1 and stages_recompute:  # its stash holds chunk inputs only (estimate.memory)
+    recompute += 2 * per_layer + attention / 3
   # The most loaded stage sets the time: uneven stages count their padded share of layers.
   layers = stage_layers(m, lay) * lay.pipeline
   flops = layers * (6 * per_layer + attention + recompute) + 6 * m.vocab_size * m.embed_dim
@@ -325,15 +329,17 @@ class StepTime:
 
 
 def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
-              order: tuple = AXES) -> StepTime:
+              order: tuple = AXES, stages_recompute: bool = True) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
   kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
-  optimizer update at HBM bandwidth."""
+  optimizer update at HBM bandwidth. `stages_recompute`: as in hardware_flops_per_device (False
+  for trainers whose stages store activations, nanotron's in the playbook's sweep)."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
-  compute = hardware_flops_per_device(m, lay, seq_len) / (peak * hw.matmul_efficiency) + \
+  compute = hardware_flops_per_device(m, lay, seq_len, stages_recompute) / (
+      peak * hw.matmul_efficiency) + \
       passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
