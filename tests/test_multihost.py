@@ -120,12 +120,17 @@ def slurm_available() -> bool:
   return state.returncode == 0 and any(s.startswith(("idle", "mixed")) for s in state.stdout.split())
 
 
-def test_training_under_slurm_srun(tmp_path, single):
-  """`srun -N1 -n2`: jax.distributed.initialize() with no arguments finds SLURM's variables."""
+def require_slurm() -> None:
+  """Skips where no SLURM controller answers; fails instead under CI (MESHTRON_REQUIRE_SLURM)."""
   if not slurm_available():
     if os.environ.get("MESHTRON_REQUIRE_SLURM"):
       pytest.fail("MESHTRON_REQUIRE_SLURM is set but no SLURM controller answers (.ci/slurm.sh)")
     pytest.skip("no SLURM on this machine: .ci/run installs and starts one (.ci/slurm.sh start)")
+
+
+def test_training_under_slurm_srun(tmp_path, single):
+  """`srun -N1 -n2`: jax.distributed.initialize() with no arguments finds SLURM's variables."""
+  require_slurm()
   result = subprocess.run(
       ["srun", "-N1", "-n2", "--time=10", "--kill-on-bad-exit=1", MESHTRON, *TRAIN,
        f"--workdir={tmp_path}", "--config.steps=3", "--cpu_devices=4"],
@@ -139,10 +144,7 @@ def test_training_under_slurm_srun(tmp_path, single):
 def test_a_peer_killed_under_slurm_ends_the_step_in_one_line(tmp_path):
   """Under `srun` the coordinator is resolved by meshtron (not JAX), so the peer links exist
   there too: SIGKILL task 1 and task 0 ends within seconds in one line, not JAX's native abort."""
-  if not slurm_available():
-    if os.environ.get("MESHTRON_REQUIRE_SLURM"):
-      pytest.fail("MESHTRON_REQUIRE_SLURM is set but no SLURM controller answers (.ci/slurm.sh)")
-    pytest.skip("no SLURM on this machine: .ci/run installs and starts one (.ci/slurm.sh start)")
+  require_slurm()
   step = subprocess.Popen(
       ["srun", "-N1", "-n2", "--time=10", "--kill-on-bad-exit=0", MESHTRON, *TRAIN,
        f"--workdir={tmp_path}", "--config.steps=10000", "--cpu_devices=4"],
