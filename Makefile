@@ -89,6 +89,14 @@ bench: $(STAMP)
 anchors: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.step_time_anchors --doc docs/planning.md
 
+# Issue [26]'s top-3 check by compiling: `meshtron plan`'s first three layouts for each anchor,
+# compiled for the anchor's cluster at its precision and set beside the anchor's own program
+# (benchmarks/anchor_plan_compiled.py); about 30 minutes on 2 cores. Not part of `make test`.
+.PHONY: anchor-plans
+anchor-plans: $(STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.anchor_plan_compiled
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.step_time_anchors --render_only --doc docs/planning.md
+
 # On a machine with NVIDIA GPUs and JAX's CUDA plugin (nothing is installed over that jax): the
 # `gpu` tests and the GPU benchmarks, one JSON line per result in $(GPU_OUT)/<phase>.jsonl
 # (benchmarks/gpu_check.py). PHASE = smoke, tests, kernels, train, fp8, moe or all; each phase is one

@@ -23,6 +23,7 @@ from sharding.mesh import MeshConfig
 
 MEGATRON_BRIDGE = "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100"
 FP8_CS = "fp8 current scaling (meshtron: tensorwise)"
+PEAK_LIMIT_GIB = 76  # issue [26]: what a row's program may peak at on an 80 GB H100
 
 
 @dataclasses.dataclass(frozen=True)

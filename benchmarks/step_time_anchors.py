@@ -21,8 +21,8 @@ import json
 import os
 import time
 
-from benchmarks import anchor_planner
-from benchmarks.anchor_recipes import ANCHORS, Anchor, config
+from benchmarks import anchor_plan_compiled, anchor_planner
+from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, config
 from benchmarks.report import replace_section
 from sharding.plan.minimum import minimum_bytes
 from sharding.xla import compiled
@@ -30,7 +30,6 @@ from trainer.aot import compile_for_gpus
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_time_anchors.jsonl")
 BEGIN, END = "<!-- step-time-anchors:begin -->", "<!-- step-time-anchors:end -->"
-PEAK_LIMIT_GIB = 76  # issue [26]: what a row may peak at on an 80 GB H100
 
 
 def _row(a: Anchor) -> dict:
@@ -139,6 +138,12 @@ def render(path: str) -> str:
   lines += ["", "The planner on each compiled row (`benchmarks/anchor_planner.py`; issue [26] asks"
             " for the anchor's layout, or a faster one, in `plan`'s top 3, and its analytic speed"
             " within 20% of the compiled prediction):", "", *anchor_planner.render(rows), ""]
+  plans = anchor_plan_compiled.render(anchor_plan_compiled.RESULTS)
+  if plans:
+    lines += ["`plan`'s top 3 compiled for each anchor's cluster with the anchor's batch, sequence"
+              " and precision (`make anchor-plans`, `benchmarks/anchor_plan_compiled.py`): the"
+              " check holds where the anchor's layout is among them, or one whose program fits in"
+              " 76 GiB and is predicted at least as fast as the anchor's:", "", *plans, ""]
   for r in rows:
     routing = f" Routing: {r['routing']}." if r.get("routing") else ""
     before = f" Before row: {r['before']}." if r.get("before") else ""

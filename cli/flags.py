@@ -64,7 +64,8 @@ LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. data=4,tensor=2,pipelin
                              "ga=16,remat=selective,sp=1,schedule=1f1b (also fsdp=, context=,"
                              " expert=, vpp=; aliases dp=, tp=, pp=, cp=, ep=)")
 PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook (bf16 + fp32"
-                                " master, Adam fp32), playbook_fp32_accum, fp32, or trainer"
+                                " master, Adam fp32), playbook_fp32_accum, playbook_fp8 (its"
+                                " layer GEMMs fp8, as Megatron's FP8 recipes), fp32, or trainer"
                                 " (what trainer/ stores today: fp32 params, grads and moments)")
 PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
 GPUS = flags.DEFINE_integer("gpus", None, "plan: number of GPUs (default nodes x gpus_per_node);"

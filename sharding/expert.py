@@ -156,7 +156,11 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   tokens, assignments = b * l, b * l * k
   expert = ids_BLk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
-  x_sorted = x_BLD.reshape(tokens, d)[order // k]
+  back = _inverse(order)
+  # Each token's k copies, sorted (the broadcast fuses into the gather; its transpose, a sum
+  # over the k copies, into the backward's gather, where x[order // k] would scatter-add).
+  x_sorted = _permuted(jnp.broadcast_to(x_BLD.reshape(tokens, 1, d), (tokens, k, d)).reshape(
+      assignments, d), order, back)
   counts = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
   params = [_batch_like(p, x_sorted) for p in params]
   if not expert_axes:
@@ -168,7 +172,7 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
         worst, max(1, math.ceil(exchange_capacity * assignments / n)))
     y_sorted = _exchange(x_sorted, counts, params, expert_fn, expert_axes, capacity, worst,
                          exchange, sync_axes)
-  y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(tokens, k, d)
+  y = _permuted(y_sorted, back, order).reshape(tokens, k, d)
   y = jnp.sum(y * weights_BLk.reshape(tokens, k, 1).astype(y.dtype), axis=1)
   if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
     y = jax.lax.psum(y, partial_axes)
@@ -190,10 +194,38 @@ def _run_received(recv, recv_counts, params, expert_fn):
   local = jnp.sum(ends[:, :, None] <= slot[None, None, :], axis=1)  # [N, cap]
   key = local.reshape(n * cap)  # == E_local for padding rows: they sort last
   regroup = jnp.argsort(key, stable=True)
+  back = _inverse(regroup)
   group_sizes = jnp.sum(recv_counts, axis=0)
-  out = expert_fn(recv.reshape(n * cap, d)[regroup], group_sizes, *params)
+  out = expert_fn(_permuted(recv.reshape(n * cap, d), regroup, back), group_sizes, *params)
   out = jnp.where((jnp.arange(n * cap) < jnp.sum(group_sizes))[:, None], out, 0)
-  return jnp.zeros_like(out).at[regroup].set(out).reshape(n, cap, d)
+  return _permuted(out, back, regroup).reshape(n, cap, d)
+
+
+def _inverse(perm):
+  """The inverse of a permutation of rows (a scatter of ints, not a sort)."""
+  rows = jnp.arange(perm.shape[0], dtype=perm.dtype) + perm * 0  # batched like perm under vmap
+  return jnp.zeros_like(perm).at[perm].set(rows, unique_indices=True)
+
+
+@jax.custom_vjp
+def _permuted(x, perm, inverse):
+  """x[perm] for a permutation `perm` of x's rows (`inverse` its inverse). Autodiff would undo a
+  gather by a scatter-add into a zeroed buffer, and a scatter (x.at[perm].set) by JAX's general
+  scatter JVP, which scatters an id per element to choose among colliding updates: a
+  permutation has no collisions, so both directions are one gather of the rows."""
+  return x[perm]
+
+
+def _permuted_forward(x, perm, inverse):
+  return x[perm], (perm, inverse)
+
+
+def _permuted_backward(residuals, g):
+  perm, inverse = residuals
+  return g[inverse], None, None
+
+
+_permuted.defvjp(_permuted_forward, _permuted_backward)
 
 
 def _ceil_div(a, b):

@@ -10,9 +10,12 @@ import dataclasses
 
 import pytest
 
+from cli.presets import precision_by_name
+from configs import llama, moe
 from configs.llama import MODELS
 from models import ComputeConfig
 from models.config import ModelConfig
+from models.fp8.config import Fp8Config
 from sharding.plan import hardware
 from sharding.layout import Layout
 from sharding.plan.estimate import (FULL_FP32, GB, PLAYBOOK_MIXED, PLAYBOOK_MIXED_FP32_ACCUM,
@@ -319,3 +322,33 @@ def test_meshtron_stages_keep_a_stash_of_chunk_inputs_and_recompute_one_chunk():
     stash = 2 * 2 * 8 * 4096 * model.embed_dim * 2 / t
     assert memory(model, lay, 4096, PLAYBOOK_MIXED).activations == pytest.approx(
         stash + one_layer * model.num_layers / 4 / 2)
+
+
+def test_fp8_training_prices_the_layers_gemms_on_fp8_tensor_cores():
+  """compute.fp8 (attention and MLP linears, experts in a MoE) moves the layers' GEMMs, 6 x 2,304
+  matmul params a layer and token, to peak_fp8_flops; the scores (6 H Dh s = 768 a layer and
+  token) and the head (6 x 1,600) stay on bf16 peak."""
+  layout, hw = Layout(), hardware.PROFILES["h100"]
+  linear, rest = hardware.flops_split(SMALL, layout, SEQ)
+  assert (linear, rest) == (SEQ * 2 * 6 * 2304, SEQ * (2 * 768 + 6 * 1600))
+  assert linear + rest == hardware.hardware_flops_per_device(SMALL, layout, SEQ) == \
+      SEQ * SMALL.flops_per_token(SEQ)
+  bf16, fp8 = (hardware.step_time(SMALL, layout, SEQ, trainer_precision(
+      "bfloat16", "bfloat16", fp8_layers=on), hw) for on in (False, True))
+  assert bf16.compute_s - fp8.compute_s == pytest.approx(
+      linear * (1 / hw.peak_bf16_flops - 1 / hw.peak_fp8_flops) / hw.matmul_efficiency)
+  assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_s / fp8.step_s)  # both of the bf16 peak
+  cfg = llama.debug()
+  assert not cfg.precision().fp8_layers
+  cfg.compute = dataclasses.replace(cfg.compute, fp8=Fp8Config(enabled=True))
+  assert cfg.precision().fp8_layers and "fp8 layer GEMMs" in cfg.precision().name
+  cfg.compute = dataclasses.replace(cfg.compute, fp8=Fp8Config(enabled=True, targets="mlp"))
+  assert not cfg.precision().fp8_layers  # the attention projections stay bf16: no discount
+  cfg = moe.debug_moe()
+  cfg.compute = dataclasses.replace(cfg.compute, fp8=Fp8Config(enabled=True,
+                                                               targets="attention,mlp"))
+  assert not cfg.precision().fp8_layers  # nor with bf16 experts
+  # `meshtron plan/memory --precision=playbook_fp8`: the playbook's state, the GEMMs above.
+  fp8_playbook = precision_by_name("playbook_fp8")
+  assert fp8_playbook.fp8_layers and dataclasses.replace(
+      fp8_playbook, name=PLAYBOOK_MIXED.name, fp8_layers=False) == PLAYBOOK_MIXED

@@ -203,6 +203,14 @@ def test_ragged_rounds_compile_for_8_h100s(tmp_path):
   assert len(starts) == 5 and all(unknown[c] for c, _ in starts)
   received = {re.search(r"\), f32\[(\d+),(\d+)\]", i.type).groups() for _, i in starts}
   assert received == {(str(8 * capacity), str(d)), (str(tokens * moe.experts_per_token), str(d))}
+  # The exchange's row permutations (sorted rows back to token order; received rows regrouped by
+  # expert and back) are gathers both ways: no scatter writes rows of those buffers (autodiff
+  # made scatter-adds of the gathers, and JAX's scatter JVP id scatters of u32 rows).
+  rows = {(8 * capacity, d), (tokens * moe.experts_per_token, d)}
+  scatters = [i.type for instrs in comps.values() for i in instrs if i.op == "scatter"]
+  assert scatters and not [t for t in scatters
+                           if {tuple(map(int, m)) for m in re.findall(r"\[(\d+),(\d+)\]", t)}
+                           & rows], scatters
 
 
 def test_ragged_all_to_all_compiles_under_gradient_accumulation():

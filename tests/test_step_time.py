@@ -5,10 +5,12 @@ constants, by the formula the module states.
 """
 
 import dataclasses
+import json
 import os
 
 import pytest
 
+from benchmarks import anchor_plan_compiled
 from sharding.plan import hardware
 from sharding.xla import hlo, step_time
 
@@ -243,8 +245,27 @@ def test_the_anchor_table_is_rendered_from_the_committed_results():
   # Then the planner checks: a row per compiled anchor (benchmarks/anchor_planner.py).
   compiled = [a for a, line in zip(step_time_anchors.ANCHORS, table) if "refused" not in line
               and "failed" not in line]
-  checks = [line for line in rest.splitlines() if line.startswith("| ")][2:]  # past its head
+  tables = [block.splitlines() for block in rest.split("\n\n") if block.startswith("| ")]
+  checks = tables[0][2:]  # past its head
   assert [line.split(" | ")[0] for line in checks] == [f"| {a.name}" for a in compiled]
+  # And `plan`'s top 3 compiled (benchmarks/anchor_plan_compiled.py): a row per anchor it ran.
+  plans = [json.loads(line) for line in open(anchor_plan_compiled.RESULTS)]
+  assert [line.split(" | ")[0] for line in tables[1][2:]] == [f"| {r['anchor']}" for r in plans]
+  assert {r["anchor"] for r in plans} == {a.name for a in compiled if not a.before}
+
+
+def test_the_compiled_top_3_check_needs_the_anchors_layout_or_a_faster_fitting_program():
+  """The issue's "the anchor's layout, or one faster by the compiled-program prediction": a
+  faster program over the 76 GiB line, or a slower one, does not count."""
+  def row(rank, *candidates):
+    return {"rank": rank, "anchor_predicted_tokens_per_s_per_gpu": 100.0, "candidates": [
+        {"layout": f"l{i}", "status": "compiled", "predicted_tokens_per_s_per_gpu": speed,
+         "fits_76gib": fits} for i, (speed, fits) in enumerate(candidates)]}
+  verdict = anchor_plan_compiled.verdict
+  assert verdict(row(2))["top_3_holds"] and not verdict(row(4))["top_3_holds"]
+  assert verdict(row(None, (99.0, True), (150.0, False)))["top_3_holds"] is False
+  assert verdict(row(None, (99.0, True), (100.0, True), (120.0, True))) == {
+      "top_3_holds": True, "fastest_faster": "l2"}
 
 
 def test_cudnn_attention_backward_costs_five_matmuls_and_the_forward_two():

@@ -244,8 +244,11 @@ class TrainConfig:
 
   def precision(self) -> Precision:
     """What this run stores per element, for the analytic memory model (sharding/plan)."""
+    # The analytic step prices the layers' GEMMs on fp8 tensor cores when all of them are fp8.
+    layers = ("attention", "mlp") + (("experts",) if self.model.moe else ())
     return trainer_precision(self.model.dtype, self.model.param_dtype, self.grad_accum_dtype,
-                             self.optim.master_weights)
+                             self.optim.master_weights,
+                             all(self.compute.fp8.applies_to(t) for t in layers))
 
   def layout(self, num_devices: int) -> Layout:
     """This run's parallel layout on `num_devices` devices (sharding.layout_of): the checks that

@@ -1,8 +1,7 @@
 """The analytic cost model: per-device memory, FLOPs and communication of a model under a layout.
 
-Pure Python (no JAX): the playbook's arithmetic, instant for any model size. Sources of the
-formulas are cited where they are used; GB means 1e9 bytes. Time and hardware: sharding/hardware.
-"""
+Pure Python (no JAX): the playbook's arithmetic, instant for any model size; sources are cited
+where used; GB means 1e9 bytes. Time and hardware: sharding/plan/hardware.py."""
 
 import dataclasses
 from typing import Any
@@ -170,14 +169,13 @@ def model_spec(model, compute=None) -> ModelSpec:
   # Compute settings from `compute` (a ComputeConfig by field names; None: its defaults). "auto"
   # is flash: GPUs are what the estimator plans for (a CPU run passes its resolved impl).
   impl = getattr(compute, "attention_impl", "auto")
-  flash = impl in ("auto", "cudnn", "pallas_flash")
   return ModelSpec(model.vocab_size, model.embed_dim, model.num_layers, model.num_heads,
                    model.num_kv_heads, model.head_dim, model.mlp_dim, model.tie_embeddings, moe,
-                   flash, getattr(model, "qk_norm", False), getattr(model, "mtp_depth", 0),
-                   getattr(model, "mla", None), getattr(model, "sliding_window", 0),
-                   getattr(model, "full_attention_every", 0),
-                   getattr(compute, "context_impl", "ring"),
-                   getattr(compute, "ulysses_degree", 0), impl)
+                   impl in ("auto", "cudnn", "pallas_flash"), getattr(model, "qk_norm", False),
+                   getattr(model, "mtp_depth", 0), getattr(model, "mla", None),
+                   getattr(model, "sliding_window", 0), getattr(model, "full_attention_every", 0),
+                   getattr(compute, "context_impl", "ring"), getattr(compute, "ulysses_degree", 0),
+                   impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,28 +190,32 @@ class Precision:
   opt_bytes: int  # each of Adam's two moments
   act_bytes: int  # activations (compute dtype)
   accum_only_when_microbatching: bool = False  # the trainer's: a scan carry only while ga > 1
+  fp8_layers: bool = False  # the layers' linear GEMMs on fp8 tensor cores (not scores, not head)
 
 
-# The playbook's mixed precision: bf16 params and grads, fp32 master weights and Adam moments
-# ("2Psi + 2Psi + 12Psi"); nanotron also accumulates gradients in fp32 (+4Psi).
+# The playbook's mixed precision: bf16 params and grads, fp32 master and Adam ("2Psi + 2Psi +
+# 12Psi"); nanotron also accumulates gradients in fp32 (+4Psi); fp8 recipes' GEMMs in fp8.
 PLAYBOOK_MIXED = Precision("bf16 mixed (playbook)", 2, 4, 2, 0, 4, 2)
 PLAYBOOK_MIXED_FP32_ACCUM = Precision("bf16 mixed + fp32 grad accumulation", 2, 4, 2, 4, 4, 2)
 FULL_FP32 = Precision("fp32", 4, 0, 4, 0, 4, 4)
+PLAYBOOK_FP8 = Precision("bf16 mixed + fp8 layer GEMMs", 2, 4, 2, 0, 4, 2, fp8_layers=True)
 
 
 def trainer_precision(dtype: str = "float32", param_dtype: str = "float32",
-                      grad_accum_dtype: str = "", master_weights: bool = False) -> Precision:
-  """What trainer/ does: params, grads and AdamW moments in `param_dtype` (`master_weights`:
-  float32 moments and master copy); activations in `dtype`; microbatches accumulate into a scan
-  carry of `grad_accum_dtype` (TrainConfig.grad_accum_dtype; default: `param_dtype`)."""
+                      grad_accum_dtype: str = "", master_weights: bool = False,
+                      fp8_layers: bool = False) -> Precision:
+  """What trainer/ does: params, grads, AdamW moments in `param_dtype` (`master_weights`: fp32
+  moments and master copy), activations in `dtype`, a `grad_accum_dtype` scan carry."""
   p, a = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_accum_dtype or param_dtype]
   m, master = (4, " + fp32 master weights") if master_weights else (0, "")
-  return Precision(f"trainer ({param_dtype} params{master}, {dtype} compute)", p, m, p, a,
-                   m or p, DTYPE_BYTES[dtype], accum_only_when_microbatching=True)
+  fp8 = ", fp8 layer GEMMs" if fp8_layers else ""
+  return Precision(f"trainer ({param_dtype} params{master}, {dtype} compute{fp8})", p, m, p, a,
+                   m or p, DTYPE_BYTES[dtype], True, fp8_layers)
 
 
 PRECISIONS = {"playbook": PLAYBOOK_MIXED, "playbook_fp32_accum": PLAYBOOK_MIXED_FP32_ACCUM,
-              "fp32": FULL_FP32, "trainer": trainer_precision("bfloat16")}
+              "playbook_fp8": PLAYBOOK_FP8, "fp32": FULL_FP32,
+              "trainer": trainer_precision("bfloat16")}
 
 
 @dataclasses.dataclass
@@ -272,8 +274,7 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
   tables = copies * m.vocab_size * m.embed_dim / lay.tensor
   # Multi-token prediction modules, counted like the table: under pipeline parallelism the last
   # stage holds them with the head, and the device estimated is the worst case (the most loaded
-  # stage's layers, a table, the modules). The block split like a layer, the [2D, D] projection
-  # by no tensor split.
+  # stage's layers, a table, the modules); the block split like a layer, the projection not.
   matrices, norms = m.mtp_block()
   experts = m.moe.num_experts * 3 * m.embed_dim * m.moe.expert_mlp_dim if m.moe else 0
   mtp = m.mtp_depth * ((matrices - experts) / lay.tensor + experts / (lay.tensor * lay.expert)
@@ -286,8 +287,8 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
 def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
   """(param, grad, optimizer) shard counts: fsdp x the ZeRO group from ZeRO 3/2/1, data x context
   x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits)."""
-  f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context
-  d *= 1 if experts else layout.expert
+  f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context * (
+      1 if experts else layout.expert)
   return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
@@ -355,8 +356,7 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
 def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
                            remat: str) -> float:
   """Stored activations of one layer for `tokens` tokens on one device. none: replicated/(t if
-  SP) + split/t + scores s/t; selective: without the scores; full: only the layer input (2sbh at
-  2 bytes), split by t under SP."""
+  SP) + split/t + scores s/t; selective: no scores; full: the layer input (2sbh), / t under SP."""
   t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
   if remat == "full":
     return tokens * terms.layer_input / sp_div

@@ -290,19 +290,28 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int,
   (stages assumed balanced, as nanotron balances layers and head), plus recomputation
   (selective: the attention scores again, 2 H Dh s per layer and token; full: the forward; and
   with `stages_recompute`, meshtron's pipeline executor, the chunk's forward in its backward)."""
+  return sum(flops_split(model, layout, seq_len, stages_recompute))
+
+
+def flops_split(model, layout: Layout, seq_len: int,
+                stages_recompute: bool = True) -> tuple[float, float]:
+  """hardware_flops_per_device as (the layers' linear GEMMs, attention scores and the head):
+  the first are what fp8 training runs on fp8 tensor cores."""
   m, lay = model_spec(model), layout
   # per model replica, per context shard
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
   per_layer = (m.active_matmul_params() - m.vocab_size * m.embed_dim) / m.num_layers
   attention = m.attention_flops(seq_len)
-  recompute = {"none": 0.0, "selective": attention / 3,
-               "full": 2 * per_layer + attention / 3}[lay.remat]
+  forwards = {"none": 0, "selective": 0, "full": 1}[lay.remat]  # linear forwards recomputed
+  scores = {"none": 0.0, "selective": attention / 3, "full": attention / 3}[lay.remat]
   if lay.pipeline > 1 and stages_recompute:  # its stash holds chunk inputs only (estimate.memory)
-    recompute += 2 * per_layer + attention / 3
+    forwards, scores = forwards + 1, scores + attention / 3
   # The most loaded stage sets the time: uneven stages count their padded share of layers.
   layers = stage_layers(m, lay) * lay.pipeline
-  flops = layers * (6 * per_layer + attention + recompute) + 6 * m.vocab_size * m.embed_dim
-  return tokens * flops / (lay.tensor * lay.pipeline)
+  share = tokens / (lay.tensor * lay.pipeline)
+  linear = layers * (6 + 2 * forwards) * per_layer
+  rest = layers * (attention + scores) + 6 * m.vocab_size * m.embed_dim
+  return share * linear, share * rest
 
 
 def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, int]:
@@ -337,9 +346,12 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   for trainers whose stages store activations, nanotron's in the playbook's sweep)."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
+  # fp8 training's layer GEMMs run on the fp8 tensor cores (2x the bf16 peak on an H100), as
+  # the compiled-program model prices dots on f8 operands; attention scores and the head in bf16.
+  linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
+  linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
-  compute = hardware_flops_per_device(m, lay, seq_len, stages_recompute) / (
-      peak * hw.matmul_efficiency) + \
+  compute = (linear / linear_peak + rest / peak) / hw.matmul_efficiency + \
       passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
