@@ -91,7 +91,7 @@ anchors: $(STAMP)
 
 # Issue [26]'s top-3 check by compiling: `meshtron plan`'s first three layouts for each anchor,
 # compiled for the anchor's cluster at its precision and set beside the anchor's own program
-# (benchmarks/anchor_plan_compiled.py); about 30 minutes on 2 cores. Not part of `make test`.
+# (benchmarks/anchor_plan_compiled.py); about 15 minutes on 2 cores. Not part of `make test`.
 .PHONY: anchor-plans
 anchor-plans: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.anchor_plan_compiled

@@ -1,14 +1,15 @@
 """Issue [26]'s top-3 check by compiling: `meshtron plan` must list the anchor's layout "or one
-faster by the compiled-program prediction" in its top 3. For each anchor whose own layout is not
-in the analytic top 3, the planner's first three layouts are compiled deviceless for the anchor's
+faster by the compiled-program prediction" in its top 3. For each anchor, the planner's first
+three layouts (but the anchor's own, which is its row) are compiled deviceless for the anchor's
 cluster with everything else the anchor's row compiles with (model, global batch, sequence, fp8
 recipe, bf16 weights with float32 master copies, MoE exchange capacity), and each program's
 predicted tokens/s/GPU (sharding/xla/step_time.py) is set beside the anchor's own program's
 (`benchmarks/results/step_time_anchors.jsonl`). A layout passes when its program peaks at most
 76 GiB (the anchors table's line) and is predicted at least as fast as the anchor's.
 
-One JSON line per anchor in benchmarks/results/anchor_plan_compiled.jsonl; `make anchor-plans`
-(about 30 minutes of compiles on 2 cores; not part of `make test`) runs it, then renders the
+Run it after `make anchors` (it reads those rows). One JSON line per anchor in
+benchmarks/results/anchor_plan_compiled.jsonl; `make anchor-plans`
+(about 15 minutes of compiles on 2 cores; not part of `make test`) runs it, then renders the
 anchors section of docs/planning.md again (benchmarks/step_time_anchors.py shows the table).
 
   .venv/bin/python -m benchmarks.anchor_plan_compiled [--only NAME] [--out FILE]
