@@ -35,7 +35,7 @@ class MLAttention(Attention):
     if m.q_lora_rank:
       self.q_a = Einsum((d, m.q_lora_rank), ("embed", "latent"), (0,), **kw)
       self.q_a_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, **norm)
-      self.q_b = Einsum((m.q_lora_rank, h, qk), ("latent", "heads", "head_dim"), (0,), **kw)
+      self.q_b = Einsum((m.q_lora_rank, h, qk), ("latent_rank", "heads", "head_dim"), (0,), **kw)
       self.q = None
     else:
       self.q_a = self.q_a_norm = self.q_b = None
@@ -43,7 +43,7 @@ class MLAttention(Attention):
     self.kv_a = Einsum((d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "latent"), (0,), **kw)
     self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, **norm)
     self.kv_b = Einsum((m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
-                       ("latent", "heads", "head_dim"), (0,), **kw)
+                       ("latent_rank", "heads", "head_dim"), (0,), **kw)
     self.o = Einsum((h, m.v_head_dim, d), ("heads", "head_dim", "embed"), (0, 1), **kw)
     self.rope = (m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_factor,
                  cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)

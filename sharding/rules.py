@@ -40,6 +40,10 @@ DEFAULT_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("vocab", ("tensor",)),
     ("embed", ("fsdp",)),
+    # MLA's up-projections [R, H, d] (q and kv latents to heads; DeepSeek-V3: 1536 and 512 rows)
+    # have no `embed` dim: FSDP splits their latent rank, or every device held them whole (3.2B
+    # parameters of DeepSeek-V3's 58 MLA layers under fsdp=16 x expert=64).
+    ("latent_rank", ("fsdp",)),
     # Embedding lookups [B, L, D] (models/layers.py Embed): the table's columns and the rows'
     # `embed` dim are split over fsdp only when the lookup moves token rows (layout_rules);
     # the batch dim then takes only the batch axes `lookup_embed` does not.

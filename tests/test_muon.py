@@ -89,7 +89,7 @@ def test_muon_partition_by_logical_names():
                 ("layers", "embed", None)):  # the last: an MoE router
     assert muon_dims(adamw) is None
   # MLA: its latent projections are matrices from the latent.
-  assert muon_dims(("layers", "latent", "heads", "head_dim")) == ((1,), (2, 3))
+  assert muon_dims(("layers", "latent_rank", "heads", "head_dim")) == ((1,), (2, 3))
   # The analytic model counts exactly the parameters the optimizer gives Muon (MLA's too).
   for model in (harness.MODEL, mla_model(q_lora_rank=8), mla_model(q_lora_rank=0)):
     abstract = jax.eval_shape(lambda model=model: init_params(model, jax.random.PRNGKey(0)))

@@ -70,7 +70,7 @@ def muon_dims(names) -> MuonDimensionNumbers | None:
   if "vocab" in names or None in names or is_frozen(names):
     return None
   dims = [i for i, n in enumerate(names) if n not in _BATCH_DIMS]
-  if len(dims) < 2 or not {"embed", "latent"} & {names[i] for i in dims}:
+  if len(dims) < 2 or not {"embed", "latent", "latent_rank"} & {names[i] for i in dims}:
     return None
   if names[dims[-1]] == "embed":
     return MuonDimensionNumbers(tuple(dims[:-1]), (dims[-1],))

@@ -23,6 +23,9 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
   if m.embed_dim % (lay.fsdp * (lay.data * lay.context if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
+  ranks = (m.mla.q_lora_rank, m.mla.kv_lora_rank) if m.mla is not None else ()
+  if any(r % lay.fsdp for r in ranks if r):  # MLA's up-projections split their rank over fsdp
+    errors.append(f"MLA latent ranks {ranks} not divisible by fsdp={lay.fsdp}")
   # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
   # or with a sliding window or Ulysses into context contiguous ones (sharding.context_parallel).
   seq_split = context_parallel.sequence_chunks(m, lay.context) * \
@@ -86,6 +89,8 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   batch = global_batch_tokens // seq_len
   rejected, ranked, considered = [], [], 0
   experts = [e for e in divisors(num_gpus) if m.moe and m.moe.num_experts % e == 0] or [1]
+  # MLA's up-projections split their latent ranks over fsdp (sharding.rules `latent_rank`).
+  ranks = [r for r in ((m.mla.q_lora_rank, m.mla.kv_lora_rank) if m.mla else ()) if r]
   for tensor in divisors(num_gpus):
     if tensor > hw.gpus_per_node:
       rejected.append((f"tensor={tensor}", f"tensor parallelism across nodes ({tensor} >"
@@ -112,7 +117,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                                f"global batch {batch} sequences not divisible by data x fsdp x"
                                f" expert = {shards}"))
               continue
-            if m.embed_dim % (fsdp * (data if zero else 1)):
+            if m.embed_dim % (fsdp * (data if zero else 1)) or any(r % fsdp for r in ranks):
               continue
             per_replica = batch // shards
             for mbs in (b for b in divisors(per_replica) if b <= max_mbs):
