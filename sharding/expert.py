@@ -217,11 +217,10 @@ def _permuted(x, perm, inverse):
 
 
 def _permuted_forward(x, perm, inverse):
-  return x[perm], (perm, inverse)
+  return x[perm], inverse
 
 
-def _permuted_backward(residuals, g):
-  perm, inverse = residuals
+def _permuted_backward(inverse, g):
   return g[inverse], None, None
 
 

@@ -23,9 +23,8 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
   if m.embed_dim % (lay.fsdp * (lay.data * lay.context if lay.zero_stage else 1)):
     errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
-  ranks = (m.mla.q_lora_rank, m.mla.kv_lora_rank) if m.mla is not None else ()
-  if any(r % lay.fsdp for r in ranks if r):  # MLA's up-projections split their rank over fsdp
-    errors.append(f"MLA latent ranks {ranks} not divisible by fsdp={lay.fsdp}")
+  if any(r % lay.fsdp for r in mla_ranks(m)):
+    errors.append(f"MLA latent ranks {mla_ranks(m)} not divisible by fsdp={lay.fsdp}")
   # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
   # or with a sliding window or Ulysses into context contiguous ones (sharding.context_parallel).
   seq_split = context_parallel.sequence_chunks(m, lay.context) * \
@@ -34,6 +33,12 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
     errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, or context with a"
                   " window or Ulysses; x tensor under sequence parallelism)")
   return errors + context_parallel.errors(m, lay)
+
+
+def mla_ranks(model: ModelSpec) -> tuple[int, ...]:
+  """The latent ranks MLA's up-projections split over fsdp (sharding.rules `latent_rank`)."""
+  return tuple(r for r in ((model.mla.q_lora_rank, model.mla.kv_lora_rank) if model.mla else ())
+               if r)
 
 
 @dataclasses.dataclass
@@ -89,8 +94,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   batch = global_batch_tokens // seq_len
   rejected, ranked, considered = [], [], 0
   experts = [e for e in divisors(num_gpus) if m.moe and m.moe.num_experts % e == 0] or [1]
-  # MLA's up-projections split their latent ranks over fsdp (sharding.rules `latent_rank`).
-  ranks = [r for r in ((m.mla.q_lora_rank, m.mla.kv_lora_rank) if m.mla else ()) if r]
+  ranks = mla_ranks(m)
   for tensor in divisors(num_gpus):
     if tensor > hw.gpus_per_node:
       rejected.append((f"tensor={tensor}", f"tensor parallelism across nodes ({tensor} >"
