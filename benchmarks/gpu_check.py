@@ -313,11 +313,22 @@ def train_runs(phase: str, args) -> list[dict]:
     return [dict(attention=args.attention.split(",")[0], remat="selective", model=name,
                  layers=layers, experts=experts, dispatch=dispatch,
                  **({"grouped_matmul": kernel} if kernel != "auto" else {}))
-            for i, (name, layers, experts) in enumerate(MOE_CUTS)
-            for dispatch, kernel in MOE_RUNS if i == 0 or kernel == "auto"]
+            for name, layers, experts in moe_cuts(args.moe_models)
+            for dispatch, kernel in MOE_RUNS if name == MOE_CUTS[0][0] or kernel == "auto"]
   runs = FP8_RUNS[:2] if args.rehearse else FP8_RUNS
   return [dict(attention=args.attention.split(",")[0], remat="full", fp8=fp8, xla_options=x)
           for fp8, x in runs]
+
+
+def moe_cuts(models: str) -> list[tuple]:
+  """MOE_CUTS in the order --moe_models names them (a visit that measured one cut runs the other
+  first); all of them, in MOE_CUTS's order, when it names none."""
+  cuts = {cut[0]: cut for cut in MOE_CUTS}
+  names = [name for name in models.split(",") if name] or list(cuts)
+  unknown = [name for name in names if name not in cuts]
+  if unknown:
+    fail(f"--moe_models names {', '.join(unknown)}; choose among {', '.join(cuts)}")
+  return [cuts[name] for name in names]
 
 
 def run_phase(phase: str, args, facts: dict) -> bool:
@@ -350,6 +361,8 @@ def main(argv=None) -> int:
                       help="per phase: no new measurement starts after this many seconds")
   parser.add_argument("--attention", default="cudnn,pallas_flash")
   parser.add_argument("--remat", default="none,selective,full")
+  parser.add_argument("--moe_models", default="",
+                      help="moe: the cuts to run, in this order (default: all of MOE_CUTS)")
   parser.add_argument("--wheels", default="missing", choices=("missing", "pinned", "none"))
   parser.add_argument("--tests_k", default="", help="tests: only those pytest -k selects")
   parser.add_argument("--tests_workers", type=int, default=1,

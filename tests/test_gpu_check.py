@@ -21,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FACTS = ("gpu", "driver", "jax", "jaxlib", "python", "commit", "date", "rehearsal")
 # What exists only on an NVIDIA GPU: a rehearsal skips exactly these gpu tests.
-GPU_ONLY = {"test_cudnn_attention_equals_the_reference[False]",
+GPU_ONLY = {"test_auto_attention_is_cudnn_on_this_gpu",
+            "test_cudnn_attention_equals_the_reference[False]",
             "test_cudnn_attention_equals_the_reference[True]",
             "test_cudnn_attention_with_a_sliding_window_equals_the_reference",
             "test_cudnn_under_ulysses_equals_the_reference",
@@ -275,3 +276,12 @@ def test_the_predict_phase_scores_the_programs_compiled_on_the_gpu_here():
   assert sum(traced.values()) == pytest.approx(busy, rel=1e-3)
   committed = lines(pathlib.Path(REPO, "benchmarks", "results", "gpu"), "predict")
   assert committed == rows
+
+
+def test_moe_models_orders_the_cuts_and_refuses_an_unknown_one(capsys):
+  assert [cut[0] for cut in gpu_check.moe_cuts("")] == [cut[0] for cut in gpu_check.MOE_CUTS]
+  assert [cut[0] for cut in gpu_check.moe_cuts("deepseek_v3_like,qwen3_30b_a3b")] == [
+      "deepseek_v3_like", "qwen3_30b_a3b"]
+  with pytest.raises(SystemExit):
+    gpu_check.moe_cuts("mixtral")
+  assert "--moe_models names mixtral; choose among qwen3_30b_a3b" in capsys.readouterr().err
