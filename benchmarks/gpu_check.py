@@ -40,6 +40,8 @@ import sys
 import time
 import xml.etree.ElementTree as ElementTree
 
+from benchmarks.gpu_install import SITE, install
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("smoke", "tests", "kernels", "train", "fp8", "moe")
 # The moe phase's cuts (issue [24]): (model, layers, routed experts), each dropless and dropping;
@@ -50,7 +52,6 @@ TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
 # The fp8 phase's runs: (fp8 recipe, xla_options); a rehearsal runs the first two.
 FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("delayed", ""),
             ("delayed", TRITON_OFF), ("none", TRITON_OFF))
-SITE = "/tmp/meshtron-gpu-site"  # where carried wheels are installed (--target), first on the path
 # The train step may use nearly the whole GPU (JAX's default leaves it 75%).
 MEMORY_FRACTION = "0.94"
 # Micro-batches the train phase tries per remat policy, largest first, the first that fits
@@ -72,49 +73,6 @@ def gpu_names() -> list[str]:
                          "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
   return [line.strip() for line in proc.stdout.splitlines() if line.strip()] \
       if proc.returncode == 0 else []
-
-
-def wheels_to_install(files: list[str], mode: str) -> list[str]:
-  """The carried wheels to install: all ("pinned"), none, or those whose distribution this
-  Python lacks ("missing"; wheel names carry the normalized distribution name)."""
-  def missing(path):
-    try:
-      importlib.metadata.version(os.path.basename(path).split("-")[0])
-      return False
-    except importlib.metadata.PackageNotFoundError:
-      return True
-  if mode == "pinned":
-    return files
-  return [] if mode == "none" else [f for f in files if missing(f)]
-
-
-def installed_here() -> bool:
-  """Whether this checkout is pip-installed: asked from outside it, since this process (run
-  with `-m` from the repo root) finds our packages through its working directory."""
-  proc = subprocess.run([sys.executable, "-c", "import trainer; print(trainer.__file__)"],
-                        cwd=os.path.dirname(REPO), capture_output=True, text=True, timeout=120)
-  return proc.returncode == 0 and proc.stdout.strip().startswith(REPO + os.sep)
-
-
-def install(wheels: str) -> list[str]:
-  """meshtron (editable, no dependencies) and the carried wheels; returns what was installed."""
-  done = []
-  if not installed_here():
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "-e", REPO], check=True)
-    done.append("meshtron (editable)")
-  chosen = wheels_to_install(sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl"))), wheels)
-  if chosen:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-compile", "--upgrade", "--target", SITE, *chosen], check=True)
-    done += [os.path.basename(f) for f in chosen]
-  paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-  if os.path.isdir(SITE) and SITE not in paths:
-    # The carried wheels are third-party packages installed with --target into a directory no
-    # site configuration names: every process from here on starts with it first on its path
-    # (ahead of the machine's own packages), see `main`.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, *paths]))
-  return done
 
 
 def jax_platform() -> str:

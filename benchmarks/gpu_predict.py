@@ -9,6 +9,7 @@ checkout's sharding/xla/step_time.py, the GPU profile unchanged), and the predic
 kind (gemm, attention, memory) beside the traced kernels' seconds by the same kinds.
 
   python -m benchmarks.gpu_predict --visit benchmarks/results/gpu/visits/2026-11-26{e,d} \
+      benchmarks/results/gpu/visits/2026-11-27{a,c} \
       [--out benchmarks/results/gpu/predict.jsonl]
 """
 
@@ -91,7 +92,7 @@ def predict_rows(visit: str) -> list[dict]:
         kinds[op["kind"]] += op["total_s"]
       traced = trace_seconds_by_kind(tar, f"./trace-{key}/") or None
       out.append({
-          "benchmark": "predict", "phase": phase, **settings, "batch": run["batch"],
+          "benchmark": "predict", "phase": phase, "run": key, **settings, "batch": run["batch"],
           "device": run["device"], "profile": profile.name, "measured_step_s": run["step_s"],
           "predicted_at_visit_s": run.get("predicted_step_s"),
           "predicted_now_s": round(now.step_s, 5),
@@ -102,6 +103,15 @@ def predict_rows(visit: str) -> list[dict]:
   return out
 
 
+def latest_per_run(rows: list[dict]) -> list[dict]:
+  """One line per run (phase and settings): a run measured again in a later visit (visits in the
+  order given) keeps that visit's line, in the place of its first."""
+  latest = {}
+  for row in rows:
+    latest[(row["phase"], row["run"])] = row  # an existing key keeps its place in a dict
+  return list(latest.values())
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +120,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu",
                                                     "predict.jsonl"))
   args = parser.parse_args(argv)
-  rows = [row for visit in args.visit for row in predict_rows(visit)]
+  rows = latest_per_run([row for visit in args.visit for row in predict_rows(visit)])
   with open(args.out, "w", encoding="utf-8") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")

@@ -10,6 +10,7 @@ Rehearsal lines (gpu_check.py --rehearse: the CPU) are never reported as GPU res
 
 import collections
 import os
+import re
 
 from benchmarks.report import rows, section_main
 
@@ -39,8 +40,10 @@ def header(phases: dict[str, list[dict]]) -> list[str]:
 
 
 def tests_section(lines: list[dict]) -> list[str]:
+  """The gpu tests, one row each; the counts summed over the pytest runs whose lines these are (a
+  later run may take the tests a cut-short one did not reach)."""
   tests = [r for r in lines if "test" in r]
-  summary = next((r for r in lines if "summary" in r), None)
+  summaries = [r for r in lines if "summary" in r]
   if not tests:
     return []
   out = ["| gpu test | outcome | s | measured |", "| --- | --- | --- | --- |"]
@@ -50,12 +53,14 @@ def tests_section(lines: list[dict]) -> list[str]:
     detail = measured or (r["message"][:120] if r["outcome"] != "passed" else "")
     seconds = "–" if r.get("seconds") is None else f"{r['seconds']:.1f}"
     out.append(f"| `{r['test'].split('::')[-1]}` | {r['outcome']} | {seconds} | {detail} |")
-  if summary:
+  if summaries:
+    total = {k: sum(r[k] for r in summaries) for k in ("passed", "failed", "error", "skipped")}
+    runs = f" over {len(summaries)} pytest runs" if len(summaries) > 1 else ""
     cut = any(r.get("note") for r in tests)
-    out += ["", f"pytest -m gpu: {summary['passed']} passed, {summary['failed']} failed,"
-                f" {summary['error']} errors, {summary['skipped']} skipped"
-                + (" (the phase's budget cut pytest short: the rows are the tests that"
-                   " ended; the others did not run)." if cut else ".")]
+    out += ["", f"pytest -m gpu{runs}: {total['passed']} passed, {total['failed']} failed,"
+                f" {total['error']} errors, {total['skipped']} skipped"
+                + (" (a phase's budget cut pytest short: its rows are the tests that ended)."
+                   if cut else ".")]
   return out + [""]
 
 
@@ -206,13 +211,25 @@ def moe_section(lines: list[dict]) -> list[str]:
          " measured peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in runs:
     if r.get("status") != "ok":
-      out.append(f"| {r.get('model')} | {r.get('cut', r.get('dispatch'))} | {r.get('status')} |"
+      kernel = r.get("grouped_matmul", "auto")
+      what = r.get("cut") or f"{r.get('dispatch')}{'' if kernel == 'auto' else f', {kernel}'}"
+      out.append(f"| {r.get('model')} | {what} | {r.get('status')}: {error_gist(r)} |"
                  " | | | | |")
       continue
     out.append(f"| {r['model']} | {r['cut']} | {r['batch']} | {r['tokens_per_s']:.0f} |"
                f" {_pct(r['mfu_vs_spec'])} | {r['step_s']:.3f} | {r['compiled_peak_gib']:.1f} |"
                f" {r['measured_peak_gib']:.1f} |")
   return out + [""]
+
+
+def error_gist(r: dict) -> str:
+  """A failed run's error in a table cell: the exception's line, and the allocation an out of
+  memory asked for."""
+  text = r.get("error") or r.get("reason") or ""
+  raised = [l.strip() for l in text.splitlines() if re.match(r"\s*[\w.]+(Error|Exception):", l)]
+  memory = re.search(r"Out of memory while trying to allocate [\d.]+\s*\w+", text)
+  gist = "; ".join(([raised[-1][:110]] if raised else []) + ([memory.group(0)] if memory else []))
+  return gist.replace("|", "/") or "see the phase's lines"
 
 
 def predict_section(lines: list[dict]) -> list[str]:

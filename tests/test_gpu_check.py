@@ -14,7 +14,7 @@ import tomllib
 
 import pytest
 
-from benchmarks import gpu_check, gpu_report
+from benchmarks import gpu_check, gpu_install, gpu_report
 from tests.docs_text import section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,10 +129,10 @@ def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsa
   assert {name for name, r in tests.items() if r["outcome"] == "skipped"} == GPU_ONLY
   assert all(tests[name]["message"].startswith("rehearsal on the CPU") for name in GPU_ONLY)
   assert all(r["outcome"] == "passed" for name, r in tests.items() if name not in GPU_ONLY)
-  assert len(tests) == 21
+  assert len(tests) == 22
   assert all(r["properties"]["seed"] for r in rows if "test_gpu_kernels" in r.get("test", ""))
   summary = next(r for r in rows if "summary" in r)
-  assert summary["ok"] and summary["passed"] == 15 and summary["skipped"] == 6
+  assert summary["ok"] and summary["passed"] == 15 and summary["skipped"] == 7
 
 
 def relabeled_render(rehearsal, tmp_path) -> str:
@@ -194,9 +194,9 @@ def test_carried_wheels_are_the_pinned_versions():
 
 def test_carried_wheels_install_only_what_is_missing_unless_pinned():
   files = ["/w/flax-0.12.8-py3-none-any.whl", "/w/not_a_real_package_xyz-1.0-py3-none-any.whl"]
-  assert gpu_check.wheels_to_install(files, "missing") == files[1:]  # flax is installed here
-  assert gpu_check.wheels_to_install(files, "pinned") == files
-  assert gpu_check.wheels_to_install(files, "none") == []
+  assert gpu_install.wheels_to_install(files, "missing") == files[1:]  # flax is installed here
+  assert gpu_install.wheels_to_install(files, "pinned") == files
+  assert gpu_install.wheels_to_install(files, "none") == []
 
 
 def test_a_cut_short_tests_phase_keeps_what_ended_with_its_message(tmp_path):
@@ -252,27 +252,36 @@ def gone(pid: int) -> bool:
     return True
 
 
-VISITS = [os.path.join(REPO, "benchmarks", "results", "gpu", "visits", f"2026-11-26{v}")
-          for v in "ed"]  # the train and moe phases' visit, then the fp8 phase's
+VISITS = [os.path.join(REPO, "benchmarks", "results", "gpu", "visits", v) for v in (
+    "2026-11-26e", "2026-11-26d", "2026-11-27a", "2026-11-27c")]  # train, fp8, then the moe runs
 
 
 def test_the_predict_phase_scores_the_programs_compiled_on_the_gpu_here():
-  """benchmarks/gpu_predict.py on the H200 visits: every train, fp8 and moe run's program
-  predicted again with this checkout's predictor; the committed predict.jsonl is what it gives
-  now (a predictor change regenerates it), and a trace's kernels add up to the GPU's busy time."""
+  """benchmarks/gpu_predict.py on the H200 visits: every train, fp8 and moe run that ran predicted
+  again with this checkout's predictor, one line per run (a later visit's measurement replaces
+  an earlier one); the committed predict.jsonl is what it gives now (a predictor change
+  regenerates it), and a trace's kernels add up to the GPU's busy time."""
   from benchmarks import gpu_predict
-  rows = [row for visit in VISITS for row in gpu_predict.predict_rows(visit)]
-  phases = ((VISITS[0], ("train", "moe")), (VISITS[1], ("fp8",)))
-  measured = [(phase, run) for visit, names in phases for phase in names
-              for run in lines(pathlib.Path(visit), phase)]
-  assert [(r["phase"], r["measured_step_s"]) for r in rows] == [
-      (phase, run["step_s"]) for phase, run in measured]
-  for row, (phase, run) in zip(rows, measured):
-    assert row["attention"] == run["attention"] and row["remat"] == run["remat"]
-    assert row["profile"] == "h200" and row.get("fp8", "none") == run["fp8"]
+  rows = gpu_predict.latest_per_run(
+      [row for visit in VISITS for row in gpu_predict.predict_rows(visit)])
+  measured = {}
+  for visit in map(pathlib.Path, VISITS):
+    for phase in ("train", "fp8", "moe"):
+      for run in lines(visit, phase) if (visit / f"{phase}.jsonl").exists() else []:
+        if run.get("status") == "ok":
+          name = gpu_check.artifact_name(gpu_predict.run_settings(phase, run))
+          measured[(phase, name)] = run
+  assert [(r["phase"], r["run"]) for r in rows] == list(measured)
+  assert {r.get("model") for r in rows if r["phase"] == "moe"} == {"qwen3_30b_a3b",
+                                                                  "deepseek_v3_like"}
+  for row in rows:
+    run = measured[(row["phase"], row["run"])]
+    assert row["measured_step_s"] == run["step_s"] and row["remat"] == run["remat"]
+    assert row["attention"] == run["attention"] and row.get("fp8", "none") == run["fp8"]
+    assert row["profile"] == "h200"
     assert row["now_over_measured"] == round(row["predicted_now_s"] / run["step_s"], 3)
   traced = rows[0]["traced_by_kind_s"]
-  busy = measured[0][1]["trace_ops"]["total_ms_per_step"] / 1e3
+  busy = measured[("train", rows[0]["run"])]["trace_ops"]["total_ms_per_step"] / 1e3
   assert sum(traced.values()) == pytest.approx(busy, rel=1e-3)
   committed = lines(pathlib.Path(REPO, "benchmarks", "results", "gpu"), "predict")
   assert committed == rows
@@ -285,3 +294,15 @@ def test_moe_models_orders_the_cuts_and_refuses_an_unknown_one(capsys):
   with pytest.raises(SystemExit):
     gpu_check.moe_cuts("mixtral")
   assert "--moe_models names mixtral; choose among qwen3_30b_a3b" in capsys.readouterr().err
+
+
+def test_a_failed_gpu_run_shows_its_error_in_the_section():
+  """The committed moe line of XLA's ragged_dot on the Qwen3 cut: a compile-time out of memory,
+  named in its row rather than a bare 'error'."""
+  results = pathlib.Path(REPO, "benchmarks", "results", "gpu")
+  failed = [r for r in lines(results, "moe") if r.get("status") == "error"]
+  assert [r["grouped_matmul"] for r in failed] == ["ragged_dot"]
+  gist = gpu_report.error_gist(failed[0])
+  assert gist.startswith("jax.errors.JaxRuntimeError: NOT_FOUND")
+  assert gist.endswith("Out of memory while trying to allocate 128.02GiB")
+  assert f"| dropless, ragged_dot | error: {gist} |" in gpu_report.render(str(results))
