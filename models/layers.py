@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import quantized_einsum
-from sharding import constrain
+from sharding import constrain, stage_lookup
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
@@ -98,10 +98,12 @@ class Einsum(nnx.Module):
 class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` reuses it as the output head when tied."""
 
-  def __init__(self, vocab: int, dim: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, vocab: int, dim: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs,
+               layout=None):
     init = jax.nn.initializers.normal(stddev=std)
     self.table = logical_param(init(rngs.params(), (vocab, dim), param_dtype), ("vocab", "embed"))
     self.dtype = dtype
+    self.layout = layout
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
     # With `lookup_embed` over fsdp (sharding.rules, when the fsdp group has fewer tokens than
@@ -112,7 +114,10 @@ class Embed(nnx.Module):
     # up its vocab slice (Megatron's vocab-parallel embedding). Cast first, so any gather moves
     # compute-dtype bytes.
     table = constrain(self.table[...].astype(self.dtype), ("vocab", "lookup_embed"))
-    rows = jnp.take(table, tokens_BL, axis=0)
+    if self.layout is not None and self.layout.mesh is not None and self.layout.in_pipeline_stage:
+      rows = stage_lookup(self.layout, table, tokens_BL)  # its gradient: see sharding/lookup.py
+    else:
+      rows = jnp.take(table, tokens_BL, axis=0)
     return constrain(rows, ("lookup_batch", "seq", "lookup_embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:

@@ -89,7 +89,8 @@ class Transformer(nnx.Module):
     compute = ComputeConfig() if compute is None else compute
     layout = local_layout(cfg, compute) if layout is None else layout
     kw = dict(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
-    self.embed = Embed(cfg.vocab_size, cfg.embed_dim, cfg.embed_init_std, rngs=rngs, **kw)
+    self.embed = Embed(cfg.vocab_size, cfg.embed_dim, cfg.embed_init_std, rngs=rngs,
+                       layout=layout, **kw)
     dense = cfg.dense_layers()
     self.layers = _stack(DecoderBlock, dense, cfg, compute, layout, rngs) if dense else None
     self.moe_layers = (_stack(MoEBlock, cfg.moe_layers(), cfg, compute, layout, rngs)

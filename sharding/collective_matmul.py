@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.mesh import LayoutError
+from sharding.rules import entry_axes
 from sharding.scope import spec
 
 Names = Sequence[str | None]
@@ -103,10 +104,6 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *, scatter
   return acc
 
 
-def _split(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _collective_axis(wide: tuple, narrow: tuple, what: str) -> str | None:
   """The one mesh axis by which `wide` (the sharded side) exceeds `narrow`, as its minor part."""
   if wide == narrow:
@@ -123,8 +120,8 @@ def _logical(x, w, x_names, out_names, contract, kind, what):
   out_shape = x.shape[:-contract] + w.shape[contract:]
   x_spec = spec(x_names, x.shape, f"{what} input")
   out_spec = spec(out_names, out_shape, f"{what} output")
-  x_axes = [_split(e) for e in tuple(x_spec) + (None,) * (x.ndim - len(x_spec))]
-  out_axes = [_split(e) for e in tuple(out_spec) + (None,) * (len(out_shape) - len(out_spec))]
+  x_axes = [entry_axes(e) for e in tuple(x_spec) + (None,) * (x.ndim - len(x_spec))]
+  out_axes = [entry_axes(e) for e in tuple(out_spec) + (None,) * (len(out_shape) - len(out_spec))]
   lead = x.ndim - contract
   found = []
   for d in range(lead):

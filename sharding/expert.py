@@ -11,6 +11,7 @@ from jax.custom_batching import custom_vmap
 
 from kernels.residuals import keep
 from sharding.mesh import LayoutError, mesh_sizes
+from sharding.rules import entry_axes
 from sharding.scope import spec
 from sharding.shard_map import stage_shard_map
 
@@ -80,10 +81,10 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
 
   param_specs = [spec(keep(n), p.shape, f"moe expert param {i}")
                  for i, (n, p) in enumerate(zip(param_names, params))]
-  expert_axes = _axes(param_specs[0][0])
+  expert_axes = entry_axes(param_specs[0][0])
   partial_axes = tuple(sorted({a for s, names in zip(param_specs, param_names)
                                for entry, n in zip(s, names) if n == partial_over
-                               for a in _axes(entry)}))
+                               for a in entry_axes(entry)}))
   sizes = mesh_sizes(layout.mesh)
   shards = math.prod(sizes[a] for a in expert_axes)
   if num_experts % shards:
@@ -91,7 +92,7 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
                       f" {' x '.join(f'{a}={sizes[a]}' for a in expert_axes)}")
   token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
   choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
-  token_axes = {a for entry in token_spec for a in _axes(entry)}
+  token_axes = {a for entry in token_spec for a in entry_axes(entry)}
   axes = ExpertAxes(expert_axes, partial_axes,
                     tuple(sorted(token_axes - {*expert_axes, *partial_axes})))
   static["expert_fn"] = functools.partial(expert_fn, axes=axes)
@@ -142,10 +143,6 @@ def _batch_like_rule(axis_size, in_batched, w, x):
 
 # custom_vmap has no reverse mode: the identity's gradient is given here (per replica under vmap).
 _batch_like.defvjp(lambda w, x: (_batch_like(w, x), None), lambda _, g: (g, None))
-
-
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,

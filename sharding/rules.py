@@ -157,13 +157,24 @@ def lookup_moves_rows(*, fsdp: int, tensor: int, pipeline: int, vocab: int,
   return fsdp > 1 and pipeline == 1 and context == 1 and group_tokens < vocab / tensor
 
 
+# The weight dims ZeRO splits, as FSDP does: `embed`, and MLA's latent rank, which its
+# up-projections have in its place (their state was whole on each of DeepSeek-V3's 64 `expert`
+# ZeRO ranks).
+ZERO_DIMS = ("embed", "latent_rank")
+
+
 def role_rules(rules: Rules, role: str, zero_stage: int) -> Rules:
-  """The rules for one part of the train state: from its ZeRO stage on, a role's `embed` dims are
+  """The rules for one part of the train state: from its ZeRO stage on, a role's ZERO_DIMS are
   sharded over ZERO_AXES (`data`, `context`, `expert`) too (stage 1: optimizer state, 2: + gradients,
   3: + parameters)."""
   if role not in ZERO_STAGE_OF_ROLE or zero_stage < ZERO_STAGE_OF_ROLE[role]:
     return rules
-  return tuple((name, ZERO_AXES + axes if name == "embed" else axes) for name, axes in rules)
+  return tuple((name, ZERO_AXES + axes if name in ZERO_DIMS else axes) for name, axes in rules)
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of them)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: Mapping[str, int],

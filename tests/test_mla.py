@@ -19,7 +19,7 @@ from models.config import MLAConfig, MoEConfig
 from models.hf.deepseek import RopeDeinterleaved
 from models.transformer import Transformer
 from sharding import MeshConfig
-from sharding.rules import DEFAULT_RULES, logical_to_spec
+from sharding.rules import DEFAULT_RULES, logical_to_spec, role_rules
 from tests import parallel_harness as harness
 from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits, random_hf_model
 from tests.test_parallel import assert_same_training
@@ -166,3 +166,11 @@ def test_fsdp_splits_every_mla_matrix():
   latent = [spec for n, spec in matrices if "latent_rank" in n]
   assert len(latent) == 2 and all(spec[1] == "fsdp" for spec in latent)
   assert all("fsdp" in jax.tree.leaves(tuple(spec)) for _, spec in matrices), matrices
+  # ZeRO splits the same dim (sharding.rules.ZERO_DIMS): DeepSeek-V3's recipe keeps its MLA
+  # optimizer state over 64 `expert` ZeRO ranks, not whole on each.
+  for stage in (0, 1):
+    opt = [logical_to_spec(n, a.shape, dict(expert=4, tensor=2),
+                           role_rules(DEFAULT_RULES, "opt_state", stage))
+           for n, a in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)),
+                           jax.tree.leaves(shapes)) if "latent_rank" in n]
+    assert [spec[1] for spec in opt] == ["expert" if stage else None] * 2, opt
