@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import quantized_einsum
-from sharding import constrain, stage_lookup
+from sharding import constrain, embedding_lookup
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
@@ -114,10 +114,7 @@ class Embed(nnx.Module):
     # up its vocab slice (Megatron's vocab-parallel embedding). Cast first, so any gather moves
     # compute-dtype bytes.
     table = constrain(self.table[...].astype(self.dtype), ("vocab", "lookup_embed"))
-    if self.layout is not None and self.layout.mesh is not None and self.layout.in_pipeline_stage:
-      rows = stage_lookup(self.layout, table, tokens_BL)  # its gradient: see sharding/lookup.py
-    else:
-      rows = jnp.take(table, tokens_BL, axis=0)
+    rows = embedding_lookup(self.layout, table, tokens_BL)  # in pipeline stages: sharding/lookup.py
     return constrain(rows, ("lookup_batch", "seq", "lookup_embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:

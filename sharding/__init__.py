@@ -14,17 +14,16 @@ from sharding.rules import (DEFAULT_RULES, layout_rules, logical_to_spec, lookup
 from sharding.scope import (constrain, constrain_cotangent, constrain_tree, excluding, is_names,
                             named_sharding, record_constraints, replicated, spec,
                             tree_shardings, use_rules)
-from sharding.lookup import stage_lookup
+from sharding.lookup import embedding_lookup
 from sharding.shard_map import shard_map_logical
 
 __all__ = [
     "AXES", "BATCH_AXES", "constrain", "constrain_cotangent", "constrain_tree",
-    "context_attention", "DEFAULT_RULES",
-    "dropless_experts", "excluding", "is_names", "Layout", "layout_of", "layout_rules",
+    "context_attention", "DEFAULT_RULES", "dropless_experts", "embedding_lookup",
+    "excluding", "is_names", "Layout", "layout_of", "layout_rules",
     "LayoutError", "local_layout", "logical_all_gather_matmul", "logical_matmul_reduce_scatter",
     "logical_to_spec", "lookup_moves_rows", "make_mesh", "mesh_sizes", "MeshConfig",
     "named_sharding", "parse_overrides", "record_constraints", "replicated", "resolve",
     "resolve_sizes", "role_rules", "shard_map_logical", "spec", "split_across_hosts",
-    "split_vocab_over_fsdp", "stage_lookup", "tree_shardings", "use_rules", "with_overrides",
-    "zigzag",
+    "split_vocab_over_fsdp", "tree_shardings", "use_rules", "with_overrides", "zigzag",
 ]

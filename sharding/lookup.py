@@ -26,8 +26,12 @@ TOKENS = ("lookup_batch", "seq")
 TABLE = ("vocab", "lookup_embed")
 
 
-def stage_lookup(layout, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
-  """table[tokens] ([B, L, D]); its table gradient from per-device partial tables."""
+def embedding_lookup(layout, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+  """table[tokens] ([B, L, D]); inside a pipeline stage of a mesh, with its table gradient from
+  per-device partial tables (elsewhere XLA's own partitioning does well)."""
+  if layout is None or layout.mesh is None or not layout.in_pipeline_stage:
+    return jnp.take(table_VD, tokens_BL, axis=0)
+  shape, dtype = table_VD.shape, table_VD.dtype
 
   @jax.custom_vjp
   def lookup(table, tokens):
@@ -37,7 +41,7 @@ def stage_lookup(layout, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array
     return lookup(table, tokens), tokens
 
   def backward(tokens, g_BLD):
-    return summed_tables(layout, tokens, g_BLD, table_VD.shape).astype(table_VD.dtype), None
+    return summed_tables(layout, tokens, g_BLD, shape).astype(dtype), None
 
   lookup.defvjp(forward, backward)
   return lookup(table_VD, tokens_BL)

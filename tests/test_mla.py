@@ -159,8 +159,8 @@ def test_fsdp_splits_every_mla_matrix():
   names = param_names(model)
   shapes = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
   sizes = dict(fsdp=4, tensor=2)
-  pairs = zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)),
-              jax.tree.leaves(shapes))
+  pairs = list(zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)),
+                   jax.tree.leaves(shapes)))
   matrices = [(n, logical_to_spec(n, a.shape, sizes, DEFAULT_RULES)) for n, a in pairs
               if len([d for d in n if d not in ("layers", "norm")]) >= 2]
   latent = [spec for n, spec in matrices if "latent_rank" in n]
@@ -171,6 +171,5 @@ def test_fsdp_splits_every_mla_matrix():
   for stage in (0, 1):
     opt = [logical_to_spec(n, a.shape, dict(expert=4, tensor=2),
                            role_rules(DEFAULT_RULES, "opt_state", stage))
-           for n, a in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)),
-                           jax.tree.leaves(shapes)) if "latent_rank" in n]
+           for n, a in pairs if "latent_rank" in n]
     assert [spec[1] for spec in opt] == ["expert" if stage else None] * 2, opt
