@@ -4,7 +4,7 @@ memory, its collective bytes beside the analytic minimum for its layout
 (sharding/plan/minimum.py), its predicted step (sharding/xla/step_time.py) beside the published
 tokens/s/GPU, and what differs from the published run.
 
-The prediction's constants are the H100 profile's (sharding/plan/hardware.py), fixed with their
+The prediction's constants are the H100 profile's (sharding/plan/profiles.py), fixed with their
 sources before this comparison was first run. Collective bytes are what one device sends per
 step under ring algorithms (the compiled program's, counted by sharding.xla.hlo; the minimum's,
 by the same convention, at the run's own precision). A recipe meshtron refuses is a row that

@@ -85,8 +85,10 @@ def predict(cfg, devices: int, peak_flops: float, bandwidth: float) -> dict:
   precision = estimate.trainer_precision(cfg.model.dtype, cfg.model.param_dtype)
   spec = estimate.model_spec(cfg.model, cfg.compute)
   mem = estimate.memory(spec, layout, cfg.seq_len, precision, workspace_bytes=0)
+  # lockstep=False: the fake devices share the machine's cores, so a stage that waits for
+  # another's longer operation in a tick leaves its cores to that stage.
   t = hardware.step_time(spec, layout, cfg.seq_len, precision,
-                         cpu_profile(peak_flops, bandwidth, devices))
+                         cpu_profile(peak_flops, bandwidth, devices), lockstep=False)
   return dict(predicted_tokens_per_s=round(t.tokens_per_s_per_gpu * devices, 1),
               predicted_step_s=round(t.step_s, 5), predicted_mem_gib=round(mem.total / 2**30, 4))
 

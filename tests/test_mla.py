@@ -18,7 +18,11 @@ from models.builder import init_params
 from models.config import MLAConfig, MoEConfig
 from models.hf.deepseek import RopeDeinterleaved
 from models.transformer import Transformer
-from sharding import MeshConfig
+from sharding import LayoutError, MeshConfig
+from sharding.layout import Layout
+from sharding.mesh import AXES
+from sharding.plan import planner
+from sharding.plan.estimate import model_spec
 from sharding.rules import DEFAULT_RULES, logical_to_spec, role_rules
 from tests import parallel_harness as harness
 from tests.test_hf import TINY, TOKENS, assert_same_tensors, hf_logits, random_hf_model
@@ -173,3 +177,36 @@ def test_fsdp_splits_every_mla_matrix():
                            role_rules(DEFAULT_RULES, "opt_state", stage))
            for n, a in pairs if "latent_rank" in n]
     assert [spec[1] for spec in opt] == ["expert" if stage else None] * 2, opt
+
+
+def test_the_planner_refuses_the_layouts_the_rules_refuse():
+  """`plan`'s divisibility check splits `embed` and MLA's latent ranks over the rules' ZeRO group
+  (fsdp, and from ZeRO-1 data x context x expert). It checked the ranks against fsdp alone and
+  `embed` without `expert`, so it ranked DeepSeek-V3 layouts the rules refuse before compiling
+  (data x expert = 1,024 at ZeRO-1 against the kv rank 512)."""
+  moe = MoEConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=32)
+  model = dataclasses.replace(mla_model(), moe=moe)
+  names = param_names(model)
+  shapes = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
+  pairs = list(zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)),
+                   jax.tree.leaves(shapes)))
+
+  def rules_accept(layout: Layout) -> bool:
+    sizes = {axis: getattr(layout, axis) for axis in AXES}
+    rules = role_rules(DEFAULT_RULES, "opt_state", layout.zero_stage)
+    try:
+      for n, a in pairs:
+        logical_to_spec(n, a.shape, sizes, rules)
+    except LayoutError:
+      return False
+    return True
+
+  layouts = [Layout(data=16, zero_stage=1), Layout(data=4, expert=4, zero_stage=1),
+             Layout(data=2, expert=4, zero_stage=1), Layout(data=2, context=2, expert=2,
+                                                           zero_stage=1),
+             Layout(data=16), Layout(fsdp=8), Layout(fsdp=16), Layout(fsdp=2, expert=8,
+                                                                      zero_stage=1)]
+  verdicts = [rules_accept(lay) for lay in layouts]
+  assert True in verdicts and False in verdicts
+  spec = model_spec(model)
+  assert [not planner.divisibility_errors(spec, lay, 64) for lay in layouts] == verdicts

@@ -143,3 +143,21 @@ def test_invalid_schedules_are_clear_errors(args, message):
 def test_tables_are_small_ints():
   schedule = S.make("interleaved_1f1b", 8, 16, 2)
   assert schedule.op.dtype == np.int32 and schedule.op.shape == (schedule.ticks, 8)
+
+
+def test_lockstep_ticks_wait_for_the_slowest_stage():
+  """The executor's ticks run on every stage at once, so each lasts as long as its costliest
+  operation. Hand-computed: 1F1B, 2 stages, 3 microbatches, f = 1/4, b = 3/4 (the chunk's
+  forward recomputed): ticks (F .)(F F)(. B)(B F)(F B)(B F)(. B)(B .) cost 2 f + 6 b = 5 over
+  3 (f + b) busy; ZB-H1, 2 stages, 2 microbatches, f = b = 1/2: (F .)(F F)(. b)(b w)(w F)(. b)
+  (b w)(w .) cost 3 f + 5 b / 2 = 2.75 over 2. With equal operation costs the ratio is the
+  bubble's, 1 + bubble_ratio."""
+  assert S.lockstep_ratio("1f1b", 2, 3, 1, 0.75) == pytest.approx(5 / 3)
+  assert S.lockstep_ratio("zero_bubble", 2, 2, 1, 0.5) == pytest.approx(2.75 / 2)
+  for kind, virtual in (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+    for p, m in CASES:
+      assert S.lockstep_ratio(kind, p, m, virtual, 0.5) == pytest.approx(
+          1 + S.bubble_ratio(kind, p, m, virtual))
+  # AFAB's ticks hold one kind of operation each: no stage waits on another's longer one.
+  assert S.lockstep_ratio("afab", 4, 8, 1, 0.75) == pytest.approx(1 + S.bubble_ratio("afab", 4, 8))
+  assert S.lockstep_ratio("1f1b", 4, 8, 1, 0.75) > 1 + S.bubble_ratio("1f1b", 4, 8)

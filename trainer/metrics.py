@@ -29,7 +29,7 @@ def measure_matmul_flops(dtype: str = "float32", size: int = 1024, repeats: int 
 def peak_flops(dtype: str) -> tuple[float, str]:
   """(peak FLOP/s of the whole machine, where the number came from) for the MFU denominator.
 
-  GPUs: the data-sheet dense bf16 peak per device (sharding/plan/hardware.py, the one home of GPU
+  GPUs: the data-sheet dense bf16 peak per device (sharding/plan/profiles.py, the one home of GPU
   figures) times the device count. CPU: one measured matmul, since fake CPU devices share the
   same cores.
   """

@@ -224,3 +224,26 @@ def bubble_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1) ->
     return idle / (1 - idle)
   ratio = (stages - 1) / (virtual * microbatches)
   return ratio / 3 if kind == "zero_bubble" else ratio
+
+
+@functools.lru_cache(maxsize=4096)
+def lockstep_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1,
+                   backward_share: float = 2 / 3) -> float:
+  """The executor's step over a stage's busy time. Every stage runs each tick at once (a switch
+  per stage, then the tick's collective-permute), so a tick lasts as long as its slowest
+  operation: sum over ticks of the costliest stage's, over m v (f + b), where one chunk's
+  forward costs f = 1 - backward_share and its backward b = backward_share (recomputation
+  included); zero bubble's split backward passes count b / 2 each, a paired F&B f + b. Equal
+  operation costs give 1 + bubble_ratio; a backward 3x the forward (the chunk's forward recomputed) costs
+  about 1.5x that, every backward tick waiting for the slowest stage. The table's own closed
+  forms where the executor refuses the layout."""
+  table = table_if_valid(kind, stages, microbatches, virtual) if stages > 1 else None
+  if table is None:
+    return 1 + bubble_ratio(kind, stages, microbatches, virtual)
+  f, b = 1 - backward_share, backward_share
+  cost = np.zeros(max(NAMES) + 1)
+  cost[[FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT]] = f, b, b / 2, b / 2
+  tick = cost[table.op]
+  if table.paired is not None:
+    tick = tick + cost[table.paired[..., 0]]
+  return float(tick.max(axis=1).sum()) / (microbatches * virtual * (f + b))

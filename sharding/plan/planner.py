@@ -21,10 +21,12 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
                   f" {lay.virtual_stages}: every stage needs a layer")
   if lay.expert > 1 and (not m.moe or m.moe.num_experts % lay.expert):
     errors.append(f"expert={lay.expert} needs a MoE whose expert count it divides")
-  if m.embed_dim % (lay.fsdp * (lay.data * lay.context if lay.zero_stage else 1)):
-    errors.append(f"embed dim {m.embed_dim} not divisible by the ZeRO/FSDP shards")
-  if any(r % lay.fsdp for r in mla_ranks(m)):
-    errors.append(f"MLA latent ranks {mla_ranks(m)} not divisible by fsdp={lay.fsdp}")
+  shards = zero_shards(lay)
+  if m.embed_dim % shards:
+    errors.append(f"embed dim {m.embed_dim} not divisible by the {shards} ZeRO/FSDP shards")
+  if any(r % shards for r in mla_ranks(m)):
+    errors.append(f"MLA latent ranks {mla_ranks(m)} not divisible by the {shards} ZeRO/FSDP"
+                  " shards")
   # Context parallelism cuts each sequence into 2 x context load-balanced chunks (zig-zag ring),
   # or with a sliding window or Ulysses into context contiguous ones (sharding.context_parallel).
   seq_split = context_parallel.sequence_chunks(m, lay.context) * \
@@ -33,6 +35,14 @@ def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[
     errors.append(f"seq {seq_len} not divisible by {seq_split} (2 x context, or context with a"
                   " window or Ulysses; x tensor under sequence parallelism)")
   return errors + context_parallel.errors(m, lay)
+
+
+def zero_shards(layout: Layout) -> int:
+  """How many ways the state's `embed` and `latent_rank` dims split (sharding.rules.ZERO_DIMS):
+  over fsdp, and from ZeRO-1 on over data x context x expert too (ZERO_AXES; the non-expert
+  weights', whose product the experts' data x context divides)."""
+  lay = layout
+  return lay.fsdp * (lay.data * lay.context * lay.expert if lay.zero_stage else 1)
 
 
 def mla_ranks(model: ModelSpec) -> tuple[int, ...]:
@@ -121,7 +131,11 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                                f"global batch {batch} sequences not divisible by data x fsdp x"
                                f" expert = {shards}"))
               continue
-            if m.embed_dim % (fsdp * (data if zero else 1)) or any(r % fsdp for r in ranks):
+            split = zero_shards(Layout(data=data, fsdp=fsdp, zero_stage=zero, **model_split))
+            if m.embed_dim % split or any(r % split for r in ranks):
+              rejected.append((f"{named},data={data},fsdp={fsdp},zero={zero}",
+                               f"embed dim {m.embed_dim} or MLA latent ranks {ranks} not"
+                               f" divisible by the {split} ZeRO/FSDP shards"))
               continue
             per_replica = batch // shards
             for mbs in (b for b in divisors(per_replica) if b <= max_mbs):

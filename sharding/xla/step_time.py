@@ -17,7 +17,7 @@ blocks the compute stream.
 - A collective costs its ring wire bytes (hlo.Collective.wire_bytes) over the bus bandwidth of
   NVLink when its group stays in a node, else of the network, plus a latency.
 
-The constants are the GPU profile's (sharding/plan/hardware.py), each with its source.
+The constants are the GPU profile's (sharding/plan/profiles.py), each with its source.
 """
 
 import dataclasses
