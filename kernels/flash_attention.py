@@ -40,7 +40,7 @@ class BlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class KernelStatic:
   """Everything static about one call (hashable: the custom_vjp's non-differentiable arg)."""
 
   causal: bool
@@ -59,7 +59,7 @@ def _pow2_ceil(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _mask_scores(s, q_idx, k_idx, seg_q, seg_k, st: _Static, padded: bool):
+def _mask_scores(s, q_idx, k_idx, seg_q, seg_k, st: KernelStatic, padded: bool):
   """Masks a [bq, bk] score tile: causal, in the window, same segment, keys in the true length."""
   masks = []
   if st.causal:
@@ -73,7 +73,7 @@ def _mask_scores(s, q_idx, k_idx, seg_q, seg_k, st: _Static, padded: bool):
   return s if not masks else jnp.where(functools.reduce(jnp.logical_and, masks), s, MASK_VALUE)
 
 
-def _key_blocks(q_block, bq: int, bk: int, st: _Static):
+def _key_blocks(q_block, bq: int, bk: int, st: KernelStatic):
   """Key blocks [lo, hi) a query block needs: from its first row's oldest key in the window to
   its diagonal when causal (the others are fully masked), never the blocks all padding."""
   hi = -(-st.length // bk)  # key blocks holding a real key
@@ -95,8 +95,8 @@ def _store_count(count_ref, count):
     count_ref[...] = jnp.full(count_ref.shape, count, jnp.int32)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, count_ref=None, *, st: _Static,
-                bq: int, bk: int, padded: bool):
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, seg_k_ref, o_ref, lse_ref, count_ref=None, *,
+                st: KernelStatic, bq: int, bk: int, padded: bool):
   """One query block of one head: online softmax over the key blocks (base-2 exponentials)."""
   i = pl.program_id(0)
   q = q_ref[...]
@@ -108,7 +108,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, count_ref=None, *,
     acc, m_prev, l_prev = carry
     keys = pl.ds(j * bk, bk)
     s = jnp.dot(q, k_ref[keys, :].T, preferred_element_type=jnp.float32) * scale
-    seg_k = None if seg_ref is None else seg_ref[keys]
+    seg_k = None if seg_ref is None else seg_k_ref[keys]
     s = _mask_scores(s, q_idx, j * bk + jnp.arange(bk), seg_q, seg_k, st, padded)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
     correction = jnp.exp2(m_prev - m_next)
@@ -130,8 +130,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, count_ref=None, *,
   _store_count(count_ref, count)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, count_ref=None,
-               *, st: _Static, bq: int, bk: int, padded: bool):
+def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, seg_k_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               count_ref=None, *, st: KernelStatic, bq: int, bk: int, padded: bool):
   """dQ of one query block of one head: dS = P * (dO V^T - delta), dQ = scale * dS K."""
   i = pl.program_id(0)
   q, do = q_ref[...], do_ref[...]
@@ -144,7 +144,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
     keys = pl.ds(j * bk, bk)
     k, v = k_ref[keys, :], v_ref[keys, :]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-    seg_k = None if seg_ref is None else seg_ref[keys]
+    seg_k = None if seg_ref is None else seg_k_ref[keys]
     s = _mask_scores(s, q_idx, j * bk + jnp.arange(bk), seg_q, seg_k, st, padded)
     p = jnp.exp2(s - lse[:, None])
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
@@ -157,14 +157,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
   _store_count(count_ref, count)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                count_ref=None, *, st: _Static, bq: int, bk: int, groups: int, padded: bool):
+def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, seg_k_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, count_ref=None, *, st: KernelStatic, bq: int, bk: int, groups: int,
+                padded: bool):
   """dK, dV of one key block of one kv head, summed over the `groups` query heads that share it
   (GQA: K/V are never repeated, and neither are their gradients)."""
   j = pl.program_id(0)
   k, v = k_ref[...], v_ref[...]
   k_idx = j * bk + jnp.arange(bk)
-  seg_k = None if seg_ref is None else seg_ref[pl.ds(j * bk, bk)]
+  seg_k = None if seg_ref is None else seg_k_ref[pl.ds(j * bk, bk)]
   scale = st.sm_scale * LOG2_E
   # Causal: query blocks before this key block's diagonal see none of its keys; with a window,
   # neither do those after the block of the last query whose window holds its last key.
@@ -198,13 +199,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
 
 
 def _with_optional_segments(kernel, has_segments: bool):
-  """Adapts a kernel taking `seg_ref` (4th) to a call that passes no segment ids."""
+  """Adapts a kernel taking the queries' and the keys' segment refs (4th, 5th) to a call that
+  passes no segment ids."""
   if has_segments:
     return kernel
-  return lambda q_ref, k_ref, v_ref, *refs: kernel(q_ref, k_ref, v_ref, None, *refs)
+  return lambda q_ref, k_ref, v_ref, *refs: kernel(q_ref, k_ref, v_ref, None, None, *refs)
 
 
-def _pallas(kernel, st: _Static, name: str, grid, out_specs, out_shape, **call_kw):
+def _pallas(kernel, st: KernelStatic, name: str, grid, out_specs, out_shape, **call_kw):
   """The kernel's Triton call (kernels/pallas_triton.py). With `count_visits` one more output:
   an int32 per program (its grid point), its loops' trip count."""
   if st.count_visits:
@@ -226,7 +228,9 @@ def _kv_specs(length: int, groups: int, *dims):
           for n in dims]
 
 
-def _forward(q, k, v, seg, st: _Static):
+def forward_kernel(q, k, v, seg, st: KernelStatic, out_dtype=None):
+  """(out [B, L, H, dv] in `out_dtype` (default q's), base-2 logsumexp [B, H, L]); `seg` None or
+  the queries' and the keys' segment ids, [B, L] each."""
   b, length, h, d = q.shape
   kv_heads, dv = k.shape[2], v.shape[3]
   groups = h // kv_heads
@@ -234,17 +238,17 @@ def _forward(q, k, v, seg, st: _Static):
   kernel = functools.partial(_fwd_kernel, st=st, bq=bq, bk=bk, padded=length != st.length)
   q_spec, o_spec = _row_specs(bq, d, dv)
   k_spec, v_spec = _kv_specs(length, groups, d, dv)
-  seg_specs = [pl.BlockSpec((None, length), lambda i, bb, hh: (bb, 0))] if st.has_segments else []
-  args = [q, k, v] + ([seg] if st.has_segments else [])
+  seg_specs = [pl.BlockSpec((None, length), lambda i, bb, hh: (bb, 0))] * (2 * st.has_segments)
+  args = [q, k, v] + (list(seg) if st.has_segments else [])
   return _pallas(
       _with_optional_segments(kernel, st.has_segments), st, "flash_attention_fwd",
       grid=(length // bq, b, h), in_specs=[q_spec, k_spec, v_spec, *seg_specs],
       out_specs=[o_spec, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
-      out_shape=[out_type((b, length, h, dv), q.dtype, *args),
+      out_shape=[out_type((b, length, h, dv), out_dtype or q.dtype, *args),
                  out_type((b, h, length), jnp.float32, *args)])(*args)
 
 
-def _backward(q, k, v, seg, out, lse, do, st: _Static):
+def backward_kernels(q, k, v, seg, out, lse, do, st: KernelStatic):
   """dq, dk, dv and {"dq": counts, "dkv": counts} (empty without count_visits)."""
   b, length, h, d = q.shape
   kv_heads, dv = k.shape[2], v.shape[3]
@@ -253,8 +257,8 @@ def _backward(q, k, v, seg, out, lse, do, st: _Static):
   padded = length != st.length
   # delta_i = sum_d dO_i O_i (= sum_j P_ij dP_ij): one cheap fused XLA reduction, [B, H, L].
   delta = jnp.einsum("BLHd,BLHd->BHL", out.astype(jnp.float32), do.astype(jnp.float32))
-  inputs = [q, k, v] + ([seg] if st.has_segments else []) + [do, lse, delta]
-  seg_specs = [pl.BlockSpec((None, length), lambda *idx: (idx[1], 0))] if st.has_segments else []
+  inputs = [q, k, v] + (list(seg) if st.has_segments else []) + [do, lse, delta]
+  seg_specs = [pl.BlockSpec((None, length), lambda *idx: (idx[1], 0))] * (2 * st.has_segments)
 
   dq_kernel = functools.partial(_dq_kernel, st=st, bq=bq, bk=bk, padded=padded)
   q_spec, do_spec = _row_specs(bq, d, dv)
@@ -285,18 +289,18 @@ def _backward(q, k, v, seg, out, lse, do, st: _Static):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, st: _Static):
-  return _forward(q, k, v, seg, st)[0]
+def _flash(q, k, v, seg, st: KernelStatic):
+  return forward_kernel(q, k, v, seg, st)[0]
 
 
-def _flash_fwd(q, k, v, seg, st: _Static):
-  out, lse = _forward(q, k, v, seg, st)
+def _flash_fwd(q, k, v, seg, st: KernelStatic):
+  out, lse = forward_kernel(q, k, v, seg, st)
   return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(st: _Static, residuals, do):
+def _flash_bwd(st: KernelStatic, residuals, do):
   q, k, v, seg, out, lse = residuals
-  dq, dk, dv, _ = _backward(q, k, v, seg, out, lse, do, st)
+  dq, dk, dv, _ = backward_kernels(q, k, v, seg, out, lse, do, st)
   # integer segment ids have no cotangent
   return varying_like(dq, q), varying_like(dk, k), varying_like(dv, v), None
 
@@ -304,12 +308,13 @@ def _flash_bwd(st: _Static, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
+def prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
              block_sizes=BlockSizes(), interpret=None, num_warps=None, num_stages=2,
              count_visits=False):
   """Checks flash_attention's arguments; pads the sequence to a multiple of every block (blocks
   shrink for short sequences first) and each head dim to a power of two (zero columns change no
-  dot product). Returns q, k, v, int32 segment ids or None, and the _Static."""
+  dot product). Returns q, k, v, the queries' and keys' int32 segment ids (or None), and the
+  KernelStatic."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"flash_attention wants q [B, L, H, d], k [B, L, K, d] and v [B, L, K, dv];"
                      f" got q {q.shape}, k {k.shape}, v {v.shape}")
@@ -327,7 +332,7 @@ def _prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
   cap = _pow2_ceil(length)
   blocks = BlockSizes(*(min(s, cap) for s in dataclasses.astuple(block_sizes)))
   padded_length = -(-length // max(dataclasses.astuple(blocks))) * max(dataclasses.astuple(blocks))
-  st = _Static(causal=causal, window=window if window < length else 0,  # else all causal keys
+  st = KernelStatic(causal=causal, window=window if window < length else 0,  # else all causal keys
                sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), length=length,
                blocks=blocks, has_segments=segment_ids is not None, interpret=interpret,
                num_warps=num_warps or (4 if max(d, v.shape[3]) <= 64 else 8),
@@ -337,7 +342,8 @@ def _prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
              if pad_l or _pow2_ceil(x.shape[3]) != x.shape[3] else x for x in (q, k, v))
   if segment_ids is not None and pad_l:
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad_l)))
-  return q, k, v, None if segment_ids is None else segment_ids.astype(jnp.int32), st
+  seg = None if segment_ids is None else (segment_ids.astype(jnp.int32),) * 2
+  return q, k, v, seg, st
 
 
 def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, window: int = 0,
@@ -366,7 +372,7 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, window: i
     [B, L, H, dv] in q's dtype (float32 accumulation for bf16 inputs).
   """
   length, dv = q.shape[1], v.shape[-1]
-  out = _flash(*_prepare(q, k, v, segment_ids, causal=causal, window=window, sm_scale=sm_scale,
+  out = _flash(*prepare(q, k, v, segment_ids, causal=causal, window=window, sm_scale=sm_scale,
                          block_sizes=block_sizes, interpret=interpret, num_warps=num_warps,
                          num_stages=num_stages))
   return out if out.shape[1] == length and out.shape[3] == dv else out[:, :length, :, :dv]
@@ -377,6 +383,6 @@ def visit_counts(q, k, v, segment_ids=None, **options):
   benchmarks/attention_paths.py reports the work a window skips): "fwd" [L / block_q,
   B, H] and "dq" [L / block_q_bwd, B, H] key blocks; "dkv" [L / block_k_bwd, B, K] query blocks
   summed over the group's heads. `options`: flash_attention's; L and blocks as padded/shrunk."""
-  q, k, v, seg, st = _prepare(q, k, v, segment_ids, count_visits=True, **options)
-  out, lse, fwd = _forward(q, k, v, seg, st)
-  return {"fwd": fwd, **_backward(q, k, v, seg, out, lse, jnp.zeros_like(out), st)[3]}
+  q, k, v, seg, st = prepare(q, k, v, segment_ids, count_visits=True, **options)
+  out, lse, fwd = forward_kernel(q, k, v, seg, st)
+  return {"fwd": fwd, **backward_kernels(q, k, v, seg, out, lse, jnp.zeros_like(out), st)[3]}

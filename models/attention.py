@@ -44,6 +44,8 @@ def context_kernel(context_impl: str, impl: str):
   if context_impl == "ulysses":
     return functools.partial(kernels.ulysses_attention,
                              attend=functools.partial(_whole_sequence, impl=impl))
+  if context_impl == "ring" and impl in ("pallas_flash", "cudnn"):  # a flash kernel per hop
+    return kernels.ring_flash_attention
   return {"ring": kernels.ring_attention, "allgather": kernels.allgather_attention,
           "ulysses_ring": kernels.ulysses_ring_attention}[context_impl]
 
@@ -89,8 +91,8 @@ class Attention(nnx.Module):
       segments = jnp.ones_like(positions_BL) if segment_ids_BL is None else segment_ids_BL
       out = context_attention(layout, context_kernel(layout.context_impl, impl), q, k, v,
                               positions_BL, segments, window=window,
-                              check_vma_on_cpu=(layout.context_impl, impl) != ("ulysses",
-                                                                               "pallas_flash"))
+                              check_vma_on_cpu=impl != "pallas_flash" or
+                              layout.context_impl not in ("ulysses", "ring"))
     elif impl == "pallas_flash":
       out = flash_per_device(layout, window)(q, k, v, segment_ids_BL)
     else:

@@ -129,10 +129,10 @@ def test_the_gpu_tests_rehearse_on_the_cpu_and_skip_only_gpu_only_parts(rehearsa
   assert {name for name, r in tests.items() if r["outcome"] == "skipped"} == GPU_ONLY
   assert all(tests[name]["message"].startswith("rehearsal on the CPU") for name in GPU_ONLY)
   assert all(r["outcome"] == "passed" for name, r in tests.items() if name not in GPU_ONLY)
-  assert len(tests) == 22
+  assert len(tests) == 23
   assert all(r["properties"]["seed"] for r in rows if "test_gpu_kernels" in r.get("test", ""))
   summary = next(r for r in rows if "summary" in r)
-  assert summary["ok"] and summary["passed"] == 15 and summary["skipped"] == 7
+  assert summary["ok"] and summary["passed"] == 16 and summary["skipped"] == 7
 
 
 def relabeled_render(rehearsal, tmp_path) -> str:

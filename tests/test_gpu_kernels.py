@@ -219,6 +219,32 @@ def test_cudnn_under_ulysses_equals_the_reference(gpu, record_property):
       case, gpu, record_property, "cudnn_ulysses")
 
 
+def test_flash_ring_equals_the_reference(gpu, record_property):
+  """compute.context_impl=ring with the flash kernel (kernels/ring_flash_attention.py) over every
+  GPU present, the sequence in the zigzag order (bf16, causal, packed, GQA 4). On one GPU the
+  ring is its first hop alone (the local causal call); on 8 the hops' unmasked calls on
+  half-length pieces, with the queries' and keys' own segment ids, too."""
+  from sharding.context_parallel import zigzag_permutation
+  n = len(jax.devices())
+  mesh = Mesh(np.asarray(jax.devices()), ("context",))
+  tokens = P(None, "context")
+  ring = jax.shard_map(functools.partial(kernels.ring_flash_attention, axis_name="context"),
+                       mesh=mesh, in_specs=(tokens,) * 5, out_specs=tokens,
+                       check_vma=not gpu.rehearsal)
+  length = gpu.pick(8192, 64)
+  order = zigzag_permutation(length, n)
+
+  def attend(q, k, v, seg):
+    zig = lambda x: jnp.take(x, order, axis=1)  # noqa: E731
+    out = ring(zig(q), zig(k), zig(v), zig(jnp.broadcast_to(jnp.arange(length), seg.shape)),
+               zig(seg))
+    return jnp.take(out, np.argsort(order), axis=1)
+  case = dict(causal=True, shape=dict(batch=1, length=length, heads=8, kv_heads=2,
+                                      head_dim=128, dtype="bfloat16", packed=True))
+  record_property("gpus", n)
+  check_against_reference(attend, case, gpu, record_property, "flash_ring")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jax_triton_rmsnorm_equals_the_reference(gpu, record_property, dtype):
   """The raw Triton residual-add + RMSNorm through jax-triton: h bit-exact (one rounding of the
