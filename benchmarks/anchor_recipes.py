@@ -26,6 +26,10 @@ FP8_CS = "fp8 current scaling (meshtron: tensorwise)"
 PEAK_LIMIT_GIB = 76  # issue [26]: what a row's program may peak at on an 80 GB H100
 
 
+# What the pipelined recipes' meshtron programs change in the anchor's schedule.
+PAIRED = ("meshtron pairs a forward and a backward in each steady tick (paired_1f1b, in the"
+          " anchor's order: its executor's stages tick in lock step);")
+
 @dataclasses.dataclass(frozen=True)
 class Anchor:
   name: str
@@ -105,9 +109,9 @@ ANCHORS = (
            " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"
            " 1,621)", 1_664, FP8_CS, "llama3_70b", 64,
            dict(data=2, tensor=4, pipeline=8, virtual_stages=5,
-                pipeline_schedule="interleaved_1f1b", sequence_parallel=True), 256,
+                pipeline_schedule="paired_1f1b", sequence_parallel=True), 256,
            8192, 128, "none",
-           "Megatron's layout puts the embedding and head on stages of their own layers"
+           PAIRED + " Megatron's layout puts the embedding and head on stages of their own layers"
            " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
            " cuDNN attention (meshtron: its Pallas flash kernel)", compute=_fp8(),
            master_weights=True),
@@ -116,10 +120,10 @@ ANCHORS = (
            " llama31_405b_pretrain_1024gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
            " 311)", 326, FP8_CS, "llama3_405b", 1024,
            dict(data=8, tensor=8, pipeline=8, context=2, virtual_stages=8,
-                pipeline_schedule="interleaved_1f1b", sequence_parallel=True, zero_stage=1),
+                pipeline_schedule="paired_1f1b", sequence_parallel=True, zero_stage=1),
            1536, 8192, 192,
            "none",
-           "TP overlap by userbuffers; cuDNN attention; context parallelism by Ulysses'"
+           PAIRED + " TP overlap by userbuffers; cuDNN attention; context parallelism by Ulysses'"
            " all-to-alls around the flash kernel (Megatron's default: the p2p ring, which"
            " meshtron cannot run inside pipeline stages)", compute=_fp8() + (("context_impl", "ulysses"),),
            master_weights=True),
@@ -133,10 +137,11 @@ ANCHORS = (
            before="XLA gathered each sequence-parallel activation once per dot reading it"),
     Anchor("Llama-3.1-405B, PP16 TP8, now", "the row above's program after issue [26]'s"
            " changes so far: each sequence-parallel activation gathered once, the flash kernel"
-           " inside the stages",
+           " inside the stages, a forward and a backward in each steady tick (paired_1f1b)",
            "26.06 (the figure of the row"
            " above)", 326, "bf16", "llama3_405b", 128,
-           dict(tensor=8, pipeline=16, sequence_parallel=True), 16, 4096, 16, "full",
+           dict(tensor=8, pipeline=16, sequence_parallel=True, pipeline_schedule="paired_1f1b"),
+           16, 4096, 16, "full",
            "as the row above"),
     Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16", f"{MEGATRON_BRIDGE}: 16 GPUs, FP8, GBS"
            " 1024, MBS 1, seq 4096, EP16 (DP 16), no recompute; recipe"
@@ -157,10 +162,10 @@ ANCHORS = (
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
            " MLPs)", "25.09 (no newer H100 row)", 1_297, FP8_CS, "deepseek_v3", 1024,
-           dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="interleaved_1f1b",
+           dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="paired_1f1b",
                 expert=64, sequence_parallel=True, zero_stage=1),
            8192, 4096, 128, "selective",
-           "force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
+           PAIRED + " force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
            " (meshtron: selective, every layer)", compute=_fp8(), routing=_FORCE_BALANCED,
            master_weights=True),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
@@ -173,9 +178,11 @@ ANCHORS = (
     Anchor("DeepSeek-V3-like, PP8 EP64, now", "the row above's program after issue [26]'s"
            " changes so far: it compiles (the expert region checks its varying axes in a"
            " pipeline stage on GPUs), the flash kernel inside the stages, remat none keeping"
-           " only matmul, kernel and exchange outputs",
+           " only matmul, kernel and exchange outputs, a forward and a backward in each steady"
+           " tick (paired_1f1b)",
            "25.09 (the figure of"
-           " the row above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
+           " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
+           dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b"),
            512, 4096, 8, "none", "as the row above", routing="meshtron: dropless, its real router"),
 )
 

@@ -336,7 +336,6 @@ def check_switches(layout: Layout) -> None:
   if layout.pipeline_schedule in schedules.V_SHAPED and layout.virtual_stages != 2:
     raise LayoutError(f"schedule {layout.pipeline_schedule} runs two chunks per stage (its V):"
                       " set virtual_stages=2 (vpp=2)")
-  if layout.virtual_stages > 1 and layout.pipeline_schedule not in ("interleaved_1f1b",
-                                                                    *schedules.V_SHAPED):
-    raise LayoutError(f"virtual_stages={layout.virtual_stages} needs the interleaved_1f1b"
-                      " pipeline schedule")
+  if layout.virtual_stages > 1 and layout.pipeline_schedule not in schedules.INTERLEAVING:
+    raise LayoutError(f"virtual_stages={layout.virtual_stages} needs the interleaved_1f1b or"
+                      " paired_1f1b pipeline schedule")

@@ -41,8 +41,9 @@ class MeshConfig:
   # gathering those weights; "auto" does when the head is at least 4x larger than the token rows
   # of the group (sharding.rules.split_vocab_over_fsdp).
   vocab_over_fsdp: str = "auto"
-  # With pipeline > 1: the schedule (afab, 1f1b, interleaved_1f1b, zero_bubble; zbv and
-  # dualpipev, the V-shaped ones, with virtual_stages=2) of the
+  # With pipeline > 1: the schedule (afab, 1f1b, interleaved_1f1b, paired_1f1b: 1F1B with a
+  # forward and a backward in each steady-state tick; zero_bubble; zbv and dualpipev, the
+  # V-shaped ones, with virtual_stages=2) of the
   # microbatches (TrainConfig.microbatches) and the layer chunks per stage (interleaving).
   pipeline_schedule: str = "1f1b"
   virtual_stages: int = 1

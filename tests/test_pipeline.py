@@ -42,6 +42,7 @@ FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind not in schedules.V
     case(4, "1f1b"), case(8, "1f1b", layers=8),
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
     case(4, "interleaved_1f1b", {"data": 2}, layers=8),
+    case(4, "paired_1f1b", {"data": 2}, layers=8, virtual=2),
     case(4, "zbv", {"data": 2}, layers=8),
     case(4, "dualpipev", {"data": 2}, layers=8),
 ]

@@ -40,7 +40,8 @@ def test_the_interface_layout_string_parses_and_round_trips():
     ("tp", "'tp' must look like key=value"),
     ("remat=some", "remat='some' is not one of none, selective, full"),
     ("data=2,sp=1", "sequence parallelism needs tensor > 1"),
-    ("pipeline=2,vpp=2", "virtual_stages=2 needs the interleaved_1f1b pipeline schedule"),
+    ("pipeline=2,vpp=2", "virtual_stages=2 needs the interleaved_1f1b or paired_1f1b pipeline"
+                         " schedule"),
     ("zero=4", "zero stage 4 must be 0, 1, 2 or 3"),
 ])
 def test_malformed_layouts_are_one_line_errors(text, message):

@@ -1,12 +1,12 @@
 """Each schedule's per-stage policy: what a stage runs next, given which ops' inputs arrived.
-AFAB, 1F1B and interleaved 1F1B run fixed programs; ZB-H1 adds deferred weight passes; ZB-V
+AFAB, 1F1B, interleaved 1F1B and paired 1F1B (its F&B pairs) run fixed programs; ZB-H1 adds deferred weight passes; ZB-V
 chooses greedily; DualPipeV runs a fixed program whose entries may be F&B pairs. `policies`
 builds them for sharding/pipeline/ticks.simulate; nothing here simulates."""
 
 from collections import deque
 
-from sharding.pipeline.ticks import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RELEASES,
-                                     Op)
+from sharding.pipeline.ticks import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
+                                     RELEASES, Op)
 
 
 class Program:
@@ -22,7 +22,7 @@ class Program:
     return not self.program
 
   def step(self, runs) -> tuple[Op, ...]:
-    if self.program and all(runs(*op) for op in self.program[0]):
+    if self.program and all(runs(*op) for op in self.program[0] if op[0] != IDLE):
       return self.program.popleft()
     return ()
 
@@ -130,6 +130,26 @@ def interleaved(stages: int, stage: int, microbatches: int, virtual: int) -> lis
   return program + backwards[total - warmup:]
 
 
+def paired(stages: int, stage: int, microbatches: int, virtual: int) -> list:
+  """paired_1f1b: 1F1B's order (interleaved's with virtual > 1) with each steady-state forward
+  and the next backward in one tick, an F&B pair. meshtron's executor runs a tick on every stage
+  at once, so a tick of 1F1B costs its slowest stage's operation, a backward (about 3 forwards
+  with the chunk's forward recomputed) even on stages that run a forward; a pair costs one of
+  each. The warm-up covers a pair's round trip: the backward of a stage's first chunk returns
+  2(p - s - 1) + 1 ticks after its forward, interleaving adds (v - 1) p chunk forwards, as
+  interleaved 1F1B's does (tests/test_schedules.py: no stall in the steady state). Backwards
+  always take a tick's second slot, forwards its first, so each of the executor's two switches
+  holds one kind of pass (a program's cost per tick is then a forward plus a backward)."""
+  order = [(m, c) for g in range(0, microbatches, stages) for c in range(virtual)
+           for m in range(g, g + stages)]
+  forwards = [(FORWARD, m, c) for m, c in order]
+  backwards = [(BACKWARD, m, virtual - 1 - c) for m, c in order]
+  total = len(forwards)
+  warmup = min(2 * (stages - stage - 1) + 1 + (virtual - 1) * stages, total)
+  return (forwards[:warmup] + [(forwards[warmup + k], backwards[k]) for k in range(total - warmup)]
+          + [((IDLE, 0, 0), b) for b in backwards[total - warmup:]])
+
+
 def dualpipev(stages: int, r: int, microbatches: int) -> list:
   """Rank r's DualPipeV program (DeepSeek-V3 report; deepseek-ai/DualPipe dualpipev.py, its
   eight steps): warm-up forwards of chunk 0, then of both chunks; backward-weight-forward triples
@@ -202,6 +222,8 @@ def policies(kind: str, stages: int, microbatches: int, virtual: int) -> list:
     return [DeferredWeights(one_f_one_b(p, s, m, BACKWARD_INPUT), p - s) for s in range(p)]
   if kind == "interleaved_1f1b":
     return [Program(interleaved(p, s, m, virtual)) for s in range(p)]
+  if kind == "paired_1f1b":
+    return [Program(paired(p, s, m, virtual), width=2) for s in range(p)]
   if kind == "zbv":
     return [Greedy(m, 2 * p) for _ in range(p)]
   if kind == "dualpipev":

@@ -19,7 +19,12 @@ from sharding.pipeline.ticks import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, 
                                      NAMES, RELEASES, V_SHAPED, position, simulate)
 from sharding.pipeline.ticks import ready  # noqa: F401
 
-SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "paired_1f1b", "zero_bubble", "zbv",
+             "dualpipev")
+# Schedules whose bubble and memory are read off their tables (the others have closed forms).
+TABLED = ("paired_1f1b", "zero_bubble", *V_SHAPED)
+# Schedules that may interleave virtual stages (the V-shaped ones need exactly 2).
+INTERLEAVING = ("interleaved_1f1b", "paired_1f1b", *V_SHAPED)
 # Where a tick's message goes: to the next stage (s + 1, round the ring), the previous one, or
 # this stage itself (the V's turn); and the sources a stage receives from, in that order.
 NOWHERE, RIGHT, LEFT, HERE = range(4)
@@ -91,10 +96,11 @@ class Schedule:
           if op in RELEASES:
             release[(m, q)] = t
     most = 1
-    for q in range(self.stages * self.virtual):
-      spans = [(arrive[(m, q)], release[(m, q)]) for m in range(self.microbatches)]
-      for t in range(self.ticks):
-        most = max(most, sum(a <= t <= r for a, r in spans))
+    for q in range(self.stages * self.virtual):  # the most spans holding one tick: a sweep
+      change = np.zeros(self.ticks + 2, np.int64)
+      np.add.at(change, [arrive[(m, q)] for m in range(self.microbatches)], 1)
+      np.add.at(change, [release[(m, q)] + 1 for m in range(self.microbatches)], -1)
+      most = max(most, int(np.cumsum(change).max()))
     return most
 
   def messages(self) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +116,12 @@ class Schedule:
     receive = np.zeros((self.ticks, p, 3 * k, 4), np.int32)
     for t in range(self.ticks):
       for s in range(p):
-        for index, (op, m, c) in enumerate(self.ops_at(t, s)):
+        slots_here = [(self.op[t, s], self.microbatch[t, s], self.chunk[t, s])]
+        if self.paired is not None:  # the message slot is the op's slot, an idle first included
+          slots_here.append(tuple(self.paired[t, s]))
+        for index, (op, m, c) in enumerate(slots_here):
+          if op == IDLE:
+            continue
           q = self.position(c, s)
           gradient = op in (BACKWARD, BACKWARD_INPUT)
           if not (op == FORWARD and q < last or gradient and q > 0):
@@ -145,14 +156,18 @@ def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
   if kind in V_SHAPED and virtual != 2:
     raise ValueError(f"schedule {kind} runs two chunks per stage (its V): set virtual stages to 2,"
                      f" not {virtual}")
-  if kind not in ("interleaved_1f1b", *V_SHAPED) and virtual != 1:
-    raise ValueError(f"virtual stages (interleaving) need schedule=interleaved_1f1b, not {kind}")
+  if kind not in INTERLEAVING and virtual != 1:
+    raise ValueError(f"virtual stages (interleaving) need schedule=interleaved_1f1b or"
+                     f" paired_1f1b, not {kind}")
   if kind == "dualpipev" and microbatches < 2 * stages:
     raise ValueError(f"schedule dualpipev needs at least twice as many microbatches as stages:"
                      f" got {microbatches} microbatches for {stages} stages")
-  if kind in ("1f1b", "zero_bubble") and microbatches < stages:
+  if kind in ("1f1b", "paired_1f1b", "zero_bubble") and microbatches < stages:
     raise ValueError(f"schedule {kind} needs at least as many microbatches as stages: got"
                      f" {microbatches} microbatches for {stages} stages")
+  if kind == "paired_1f1b" and virtual > 1 and microbatches % stages:
+    raise ValueError(f"paired_1f1b with virtual stages needs microbatches a multiple of the"
+                     f" stages: got {microbatches} microbatches for {stages} stages")
   if kind == "interleaved_1f1b" and (virtual < 2 or microbatches % stages):
     raise ValueError(f"interleaved_1f1b needs virtual >= 2 and microbatches a multiple of the"
                      f" stages: got virtual={virtual}, {microbatches} microbatches, {stages}"
@@ -189,6 +204,7 @@ def executor_stash(kind: str, stages: int, microbatches: int, virtual: int = 1) 
   return 2 * virtual * slots
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks for it per layout; a table read is O(ticks)
 def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
   """Microbatches (in whole-stage units) whose activations the most loaded stage holds at its
   peak: AFAB all m; 1F1B min(m, p); interleaved 1F1B p (1 + (p-1)/(p v)) for m > p (Narayanan et
@@ -198,7 +214,7 @@ def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: i
   p, m = stages, microbatches
   if p == 1:
     return 1
-  tabled = kind in ("zero_bubble", *V_SHAPED)
+  tabled = kind in TABLED
   table = table_if_valid(kind, p, m, virtual) if tabled else None
   if table is not None:
     return float(table.in_flight().max()) / table.virtual
@@ -210,6 +226,7 @@ def in_flight_microbatches(kind: str, stages: int, microbatches: int, virtual: i
   return min(m, p)
 
 
+@functools.lru_cache(maxsize=4096)
 def bubble_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1) -> float:
   """Idle over busy time of a pipeline stage, with equal-length ticks: (p-1)/m for AFAB and 1F1B,
   (p-1)/(v m) interleaved (closed forms equal to the tick tables), and for zero-bubble its table
@@ -217,7 +234,7 @@ def bubble_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1) ->
   its table."""
   if stages == 1:
     return 0.0
-  tabled = kind in ("zero_bubble", *V_SHAPED)
+  tabled = kind in TABLED
   table = table_if_valid(kind, stages, microbatches, virtual) if tabled else None
   if table is not None:
     idle = table.bubble_fraction()

@@ -167,9 +167,11 @@ def _data_splits(rest: int, zero_group: int):
 
 
 def _switches(model, tensor: int, pipeline: int):
-  schedules = [("1f1b", 1)]
+  # paired_1f1b: 1F1B's order with a forward and a backward in each steady tick, which meshtron's
+  # lock-step executor runs faster (schedules.lockstep_ratio); both kept, as users choose.
+  schedules = [("1f1b", 1)] + ([("paired_1f1b", 1)] if pipeline > 1 else [])
   if pipeline > 1 and model.num_layers % (2 * pipeline) == 0:
-    schedules.append(("interleaved_1f1b", 2))
+    schedules += [("interleaved_1f1b", 2), ("paired_1f1b", 2)]
   for remat in REMATS:
     for sp in ((False, True) if tensor > 1 else (False,)):
       for schedule, vpp in schedules:
