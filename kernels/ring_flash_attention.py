@@ -80,11 +80,10 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 def _setup(q, k, v, segment_ids, interpret):
   """Head dims padded as the kernel wants them; the diagonal's and the halves' statics."""
-  qp, kp, vp, seg, diagonal = prepare(q, k, v, segment_ids, causal=True,
-                                            interpret=interpret)
+  qp, kp, vp, seg, diagonal = prepare(q, k, v, segment_ids, causal=True, interpret=interpret)
   half = q.shape[1] // 2
-  cross = prepare(qp[:, :half], kp[:, :half], vp[:, :half], seg[0][:, :half],
-                        causal=False, interpret=interpret)[4]
+  cross = prepare(qp[:, :half], kp[:, :half], vp[:, :half], seg[0][:, :half], causal=False,
+                  interpret=interpret)[4]
   return qp, kp, vp, seg[0], diagonal, cross
 
 

@@ -1,7 +1,8 @@
 """Each schedule's per-stage policy: what a stage runs next, given which ops' inputs arrived.
-AFAB, 1F1B, interleaved 1F1B and paired 1F1B (its F&B pairs) run fixed programs; ZB-H1 adds deferred weight passes; ZB-V
-chooses greedily; DualPipeV runs a fixed program whose entries may be F&B pairs. `policies`
-builds them for sharding/pipeline/ticks.simulate; nothing here simulates."""
+AFAB, 1F1B, interleaved 1F1B and paired 1F1B (its F&B pairs) run fixed programs; ZB-H1 adds
+deferred weight passes; ZB-V chooses greedily; DualPipeV runs a fixed program whose entries may
+be F&B pairs. `policies` builds them for sharding/pipeline/ticks.simulate; nothing here
+simulates."""
 
 from collections import deque
 

@@ -251,9 +251,9 @@ def lockstep_ratio(kind: str, stages: int, microbatches: int, virtual: int = 1,
   operation: sum over ticks of the costliest stage's, over m v (f + b), where one chunk's
   forward costs f = 1 - backward_share and its backward b = backward_share (recomputation
   included); zero bubble's split backward passes count b / 2 each, a paired F&B f + b. Equal
-  operation costs give 1 + bubble_ratio; a backward 3x the forward (the chunk's forward recomputed) costs
-  about 1.5x that, every backward tick waiting for the slowest stage. The table's own closed
-  forms where the executor refuses the layout."""
+  operation costs give 1 + bubble_ratio; a backward 3x the forward (the chunk's forward
+  recomputed) costs 1F1B about 1.5x that, its forward ticks waiting for a neighbour's backward
+  (paired_1f1b does not). The bubble's closed form where the executor refuses the layout."""
   table = table_if_valid(kind, stages, microbatches, virtual) if stages > 1 else None
   if table is None:
     return 1 + bubble_ratio(kind, stages, microbatches, virtual)
