@@ -309,8 +309,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
-             block_sizes=BlockSizes(), interpret=None, num_warps=None, num_stages=2,
-             count_visits=False):
+            block_sizes=BlockSizes(), interpret=None, num_warps=None, num_stages=2,
+            count_visits=False):
   """Checks flash_attention's arguments; pads the sequence to a multiple of every block (blocks
   shrink for short sequences first) and each head dim to a power of two (zero columns change no
   dot product). Returns q, k, v, the queries' and keys' int32 segment ids (or None), and the
@@ -332,11 +332,11 @@ def prepare(q, k, v, segment_ids, *, causal=True, window=0, sm_scale=None,
   cap = _pow2_ceil(length)
   blocks = BlockSizes(*(min(s, cap) for s in dataclasses.astuple(block_sizes)))
   padded_length = -(-length // max(dataclasses.astuple(blocks))) * max(dataclasses.astuple(blocks))
-  st = KernelStatic(causal=causal, window=window if window < length else 0,  # else all causal keys
-               sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), length=length,
-               blocks=blocks, has_segments=segment_ids is not None, interpret=interpret,
-               num_warps=num_warps or (4 if max(d, v.shape[3]) <= 64 else 8),
-               num_stages=num_stages, count_visits=count_visits)
+  st = KernelStatic(causal=causal, window=window if window < length else 0,  # else all causal
+                    sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), length=length,
+                    blocks=blocks, has_segments=segment_ids is not None, interpret=interpret,
+                    num_warps=num_warps or (4 if max(d, v.shape[3]) <= 64 else 8),
+                    num_stages=num_stages, count_visits=count_visits)
   pad_l = padded_length - length
   q, k, v = (jnp.pad(x, ((0, 0), (0, pad_l), (0, 0), (0, _pow2_ceil(x.shape[3]) - x.shape[3])))
              if pad_l or _pow2_ceil(x.shape[3]) != x.shape[3] else x for x in (q, k, v))
@@ -373,8 +373,8 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, window: i
   """
   length, dv = q.shape[1], v.shape[-1]
   out = _flash(*prepare(q, k, v, segment_ids, causal=causal, window=window, sm_scale=sm_scale,
-                         block_sizes=block_sizes, interpret=interpret, num_warps=num_warps,
-                         num_stages=num_stages))
+                        block_sizes=block_sizes, interpret=interpret, num_warps=num_warps,
+                        num_stages=num_stages))
   return out if out.shape[1] == length and out.shape[3] == dv else out[:, :length, :, :dv]
 
 

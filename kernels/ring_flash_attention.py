@@ -160,11 +160,10 @@ def _ring_bwd(axis_name, interpret, residuals, d_out):
     (q1, q2), (k1, k2), (v1, v2) = (_halves(x, 0) for x in f32(*g[:3]))
     dq = dq + jnp.where(earlier, jnp.concatenate([q1, q2], 1),
                         jnp.concatenate([jnp.zeros_like(q1), q1 + q2], 1))
-    dk = dk + jnp.where(earlier, jnp.concatenate([k1 + k2, jnp.zeros_like(k1)], 1),
-                        jnp.concatenate([k1, k2], 1))
-    dv = dv + jnp.where(earlier, jnp.concatenate([v1 + v2, jnp.zeros_like(v1)], 1),
-                        jnp.concatenate([v1, v2], 1))
-    return (dk, dv, dq), None
+    def block(g1, g2):  # both pieces were the block's A half (earlier), or its A and B halves
+      return jnp.where(earlier, jnp.concatenate([g1 + g2, jnp.zeros_like(g1)], 1),
+                       jnp.concatenate([g1, g2], 1))
+    return (dk + block(k1, k2), dv + block(v1, v2), dq), None
 
   if n > 1:
     (dk, dv, dq), _ = jax.lax.scan(hop, (dk, dv, dq), (jnp.arange(1, n), blocks))

@@ -116,13 +116,19 @@ def one_f_one_b(stages: int, stage: int, microbatches: int, backward: int) -> li
   return program + backwards[microbatches - warmup:]
 
 
-def interleaved(stages: int, stage: int, microbatches: int, virtual: int) -> list[Op]:
-  """Interleaved 1F1B (Megatron, arXiv:2104.04473): microbatches in groups of `stages`, chunk by
-  chunk; a longer warm-up, then 1F1B over microbatch-chunks."""
+def interleaved_order(stages: int, microbatches: int, virtual: int) -> tuple[list, list]:
+  """Interleaved 1F1B's order of a stage's forwards and of its backwards (Megatron): microbatches
+  in groups of `stages`, chunk by chunk, the backwards from the last chunk back."""
   order = [(m, c) for g in range(0, microbatches, stages) for c in range(virtual)
            for m in range(g, g + stages)]
-  forwards = [(FORWARD, m, c) for m, c in order]
-  backwards = [(BACKWARD, m, virtual - 1 - c) for m, c in order]
+  return ([(FORWARD, m, c) for m, c in order],
+          [(BACKWARD, m, virtual - 1 - c) for m, c in order])
+
+
+def interleaved(stages: int, stage: int, microbatches: int, virtual: int) -> list[Op]:
+  """Interleaved 1F1B (Megatron, arXiv:2104.04473): `interleaved_order`; a longer warm-up, then
+  1F1B over microbatch-chunks."""
+  forwards, backwards = interleaved_order(stages, microbatches, virtual)
   total = len(forwards)
   warmup = min((stages - stage - 1) * 2 + (virtual - 1) * stages, total)
   program = forwards[:warmup]
@@ -141,10 +147,7 @@ def paired(stages: int, stage: int, microbatches: int, virtual: int) -> list:
   interleaved 1F1B's does (tests/test_schedules.py: no stall in the steady state). Backwards
   always take a tick's second slot, forwards its first, so each of the executor's two switches
   holds one kind of pass (a program's cost per tick is then a forward plus a backward)."""
-  order = [(m, c) for g in range(0, microbatches, stages) for c in range(virtual)
-           for m in range(g, g + stages)]
-  forwards = [(FORWARD, m, c) for m, c in order]
-  backwards = [(BACKWARD, m, virtual - 1 - c) for m, c in order]
+  forwards, backwards = interleaved_order(stages, microbatches, virtual)
   total = len(forwards)
   warmup = min(2 * (stages - stage - 1) + 1 + (virtual - 1) * stages, total)
   return (forwards[:warmup] + [(forwards[warmup + k], backwards[k]) for k in range(total - warmup)]

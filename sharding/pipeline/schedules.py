@@ -45,12 +45,17 @@ class Schedule:
   chunk: np.ndarray
   paired: np.ndarray | None = None
 
+  def slots_at(self, t: int, s: int) -> list[tuple[int, int, int]]:
+    """Stage s's (op, microbatch, chunk) in each of tick t's slots, idle ones included: one slot,
+    or two in a paired schedule (the executor's switches and message slots, in order)."""
+    slots = [(int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s]))]
+    if self.paired is not None:
+      slots.append(tuple(int(x) for x in self.paired[t, s]))
+    return slots
+
   def ops_at(self, t: int, s: int) -> list[tuple[int, int, int]]:
     """The operations stage s runs in tick t, forward first: none, one, or an F&B pair."""
-    ops = [(int(self.op[t, s]), int(self.microbatch[t, s]), int(self.chunk[t, s]))]
-    if self.paired is not None:
-      ops.append(tuple(int(x) for x in self.paired[t, s]))
-    return [o for o in ops if o[0] != IDLE]
+    return [o for o in self.slots_at(t, s) if o[0] != IDLE]
 
   @property
   def ticks(self) -> int:
@@ -116,10 +121,8 @@ class Schedule:
     receive = np.zeros((self.ticks, p, 3 * k, 4), np.int32)
     for t in range(self.ticks):
       for s in range(p):
-        slots_here = [(self.op[t, s], self.microbatch[t, s], self.chunk[t, s])]
-        if self.paired is not None:  # the message slot is the op's slot, an idle first included
-          slots_here.append(tuple(self.paired[t, s]))
-        for index, (op, m, c) in enumerate(slots_here):
+        # The message slot is the op's slot: a lone backward in a pair's second slot too.
+        for index, (op, m, c) in enumerate(self.slots_at(t, s)):
           if op == IDLE:
             continue
           q = self.position(c, s)
