@@ -162,6 +162,10 @@ def test_closed_forms_equal_the_executors_tick_tables(schedule, vpp):
 def test_logits_and_temporaries_by_hand():
   mem = memory(SMALL, Layout(), SEQ, PLAYBOOK_MIXED, workspace_bytes=0)
   assert mem.logits == SEQ * 100 * (2 + 8)  # bf16 logits + their fp32 copy and gradient
+  # meshtron's pipeline stages each run the head on half the tokens; Megatron's last one all
+  staged = Layout(pipeline=2, microbatches=4)
+  assert memory(SMALL, staged, SEQ, PLAYBOOK_MIXED).logits == SEQ / 2 * 100 * (2 + 8)
+  assert memory(SMALL, staged, SEQ, PLAYBOOK_MIXED, stages_recompute=False).logits == mem.logits
   assert mem.temporaries == 0
   z3 = memory(SMALL, Layout(fsdp=2), SEQ, PLAYBOOK_MIXED, workspace_bytes=0)
   assert z3.temporaries == 2 * 2304 * 2  # the gathered layer and the prefetched one, bf16

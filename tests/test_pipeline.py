@@ -2,6 +2,7 @@
 schedule's memory and transfers show up in the compiled program; bad layouts are clear errors."""
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -104,7 +105,9 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
   twice that (XLA's CPU buffer assignment holds up to 4 values of each program's buffer shape;
   measured 58 activations, 56 before the executor's branches stopped returning the
   accumulators); every tick both rings (forward activations, backward gradients) move one
-  activation: exactly 2 x ticks x activation bytes."""
+  activation: exactly 2 x ticks x activation bytes. The head's pieces move apart: a quarter of
+  an activation from the last stage to each other stage and back, 6 permutes charged a tick
+  (they run in the ticks of the last stage's forwards)."""
   activation = (128 // 32 // 2) * 16 * MODELS[4].embed_dim * 4  # microbatch rows per data shard
   programs = {kind: compiled(kind) for kind in ("afab", "1f1b")}
   temp = {k: p.memory_analysis().temp_size_in_bytes for k, p in programs.items()}
@@ -117,14 +120,18 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
   for kind, program in programs.items():
     permutes = [c for c in hlo.collectives(program.as_text()) if c.kind == "collective-permute"]
     ticks = schedules.make(kind, 4, 32).ticks
-    assert sum(c.bytes * c.count for c in permutes) == 2 * ticks * activation
+    ring = [c for c in permutes if c.bytes == activation]
+    assert sum(c.bytes * c.count for c in ring) == 2 * ticks * activation
+    pieces = [c for c in permutes if c not in ring]
+    assert len(pieces) == 6 and {(c.bytes, c.count) for c in pieces} == {(activation // 4, ticks)}
 
 
 def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
   """pipeline=2 x data=4, 8 microbatches: each data-parallel replica keeps its own gradient sums
   through the schedule, so every reduction over the 4 replicas runs once per step, outside the
   tick loop (before: one all-reduce of the stage's weight gradients per tick), and the loop
-  holds no collective but the two stage-to-stage permutes."""
+  holds no collective but permutes: the two stage-to-stage ones and the head's pieces of the
+  tokens (to the other stage, their gradients back)."""
   cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[4])
   trainer = Trainer(cfg)
   with trainer.scope():
@@ -135,6 +142,21 @@ def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
   assert reductions and all(c.count == 1 for c in reductions)
   in_loop = [c for c in cols if c.count > 1]
   assert in_loop and {c.kind for c in in_loop} == {"collective-permute"}, in_loop
+
+
+def test_every_stage_runs_the_head_on_its_part_of_the_tokens():
+  """pipeline=4 x data=2, 8 microbatches of 2 rows x 16 tokens per replica: the head's logits
+  GEMM runs on every stage over 16 / 4 tokens of each row (8 rows of [8, vocab] logits), not on
+  the last stage over all 32 tokens (which held the other stages waiting in that tick)."""
+  model = MODELS[4]
+  cfg = harness.config(MeshConfig(data=2, pipeline=4), microbatches=8, model=model)
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+        ).as_text()
+  pattern = rf"= f32\[(\d+),{model.vocab_size}\]\S* dot\(.*, lhs_contracting_dims=\{{1\}},"
+  logits = [m.group(1) for m in map(re.compile(pattern).search, text.splitlines()) if m]
+  assert logits and set(logits) == {str(2 * 16 // 4)}, logits
 
 
 def test_the_sequence_parts_reduce_their_gradients_once_per_step():

@@ -10,9 +10,10 @@ from trainer import loss
 from trainer.config import StepConfig
 
 
-def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns:
+def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
+              ) -> pipeline.StageFns:
   """Embedding, a chunk of the layer stacks, and final norm + head + summed loss (+ the
-  multi-token prediction loss) as pure functions. The model is rebuilt from (shared weights,
+  multi-token prediction loss, `with_mtp`) as pure functions. The model is rebuilt from (shared weights,
   stacks) for each piece; pieces that do not use the layers get zeros of a chunk's shape
   (unused, removed by XLA)."""
   placeholder = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layer_chunk_shape)
@@ -36,17 +37,20 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape) -> pipeline.StageFns
     load = stats.pop("moe_load")
     return x, loss_sum, stats, {"moe_load": load}
 
-  def last(shared, x, mb):
-    """Final norm, head and loss; with model.mtp_depth, the multi-token prediction modules (in
-    `shared`) on x before the norm and their loss, as make_loss_sums adds them (the microbatch
-    holds the shifted tokens, made in the natural order before the split)."""
+  def head(shared, x, mb):
+    """Final norm, head and summed loss, token by token (the executor splits the tokens over
+    the stages)."""
     model = model_of(shared, placeholder())
-    loss_sum, stats = loss.head_loss_sums(model, model.final_norm(x), mb, cfg.z_loss)
-    if model.config.mtp_depth:
-      loss_sum, stats = loss.add_mtp_losses(model, loss_sum, stats, x, mb, cfg.z_loss)
-    return loss_sum, stats
+    return loss.head_loss_sums(model, model.final_norm(x), mb, cfg.z_loss)
 
-  return pipeline.StageFns(first, stage, last)
+  def last(shared, x, mb):
+    """The multi-token prediction modules (in `shared`) on x before the norm, and their loss, as
+    make_loss_sums adds them (the microbatch holds the shifted tokens, made in the natural order
+    before the split)."""
+    model = model_of(shared, placeholder())
+    return loss.add_mtp_losses(model, jnp.zeros((), jnp.float32), {}, x, mb, cfg.z_loss)
+
+  return pipeline.StageFns(first, stage, head, last if with_mtp else None)
 
 
 def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_microbatches,
@@ -70,7 +74,7 @@ def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_m
     by_max = None if is_fp8 is None else (
         {k: is_fp8[k] for k in stacks}, {k: v for k, v in is_fp8.items() if k in shared})
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
-        layout, stage_fns(graphdef, cfg, chunk), plan, stacks, shared, micro, present, by_max)
+        layout, stage_fns(graphdef, cfg, chunk, shared.get("mtp") is not None), plan, stacks, shared, micro, present, by_max)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

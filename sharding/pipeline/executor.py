@@ -24,13 +24,17 @@ class StageFns:
     hold a layer} for padded stacks). Its loss_sum is the chunk's part of the loss (the MoE
     router losses; 0 for dense layers), stats are summed scalars, row_stats {name: [chunk rows,
     ...]} are per layer (the experts' loads), both without gradient.
-  last(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss (and what
-    else runs after the last layer, e.g. multi-token prediction); stats are summed arrays.
+  head(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss of the
+    last layer's output; token by token, so it runs on any slice of the sequence (and of the
+    microbatch's [b, L] arrays); stats are summed arrays.
+  last(shared, x, microbatch) -> (loss_sum, stats), or None: what else runs after the last layer
+    on the whole sequence (multi-token prediction), on the last position's stage.
   """
 
   first: Callable
   stage: Callable
-  last: Callable
+  head: Callable
+  last: Callable | None = None
 
 
 def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
@@ -125,11 +129,35 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   first_mb = jax.tree.map(lambda a: a[0], data)
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
+  # The head runs on every stage, each on 1/stages of the tokens (the sequence padded to a
+  # multiple), in the ticks after the last position's forward (schedule.head_ops): one stage
+  # running it alone held the others waiting in that tick (lock step), and the 70B TP4 PP8
+  # program charged its GEMMs, 25% of its kernel time, at every tick.
+  head_ops = schedule.head_ops()  # [T, 3]: microbatch, stage, chunk; -1: none
+  heads = jnp.asarray(head_ops)
+  length = act.shape[1]
+  piece = -(-length // stages)
+
+  def padded(a):  # [b, L, ...] -> [b, stages x piece, ...]
+    return jnp.pad(a, [(0, 0), (0, piece * stages - length)] + [(0, 0)] * (a.ndim - 2))
+
+  def piece_of(a, index):  # [b, L, ...] -> [b, piece, ...]: tokens index, index + stages, ...
+    # Strided, not contiguous: a sequence split over `tensor` (sequence parallelism) holds an
+    # equal part of every piece, so taking one moves nothing (a contiguous piece was resharded
+    # over `tensor` by permutes, 12 more a tick than the pieces' own 14 at 8 stages).
+    if a.ndim < 2 or a.shape[1] != length:
+      return a
+    a = padded(a).reshape(a.shape[0], piece, stages, *a.shape[2:])
+    return jax.lax.dynamic_index_in_dim(a, index, axis=2, keepdims=False)
+
   x = jax.lax.pcast(jnp.zeros(act.shape, act.dtype), manual, to="varying")  # as stages see it
   _, _, stage_stats, row_shape = jax.eval_shape(
       fns.stage, shared, jax.tree.map(lambda w: w[0], local), x, first_mb,
       {k: v[0] for k, v in present.items()})
-  (_, stats_shape) = jax.eval_shape(fns.last, shared, x, first_mb)
+  (_, stats_shape) = jax.eval_shape(fns.head, shared, piece_of(x, 0),
+                                    jax.tree.map(lambda a: piece_of(a, 0), first_mb))
+  if fns.last is not None:
+    stats_shape = {**stats_shape, **jax.eval_shape(fns.last, shared, x, first_mb)[1]}
   stats_shape = {**stats_shape, **stage_stats}
   # Every value here differs per stage (and replica): zeros too are typed as varying over the
   # manual axes, so the branches of the per-stage switch agree on their types.
@@ -197,19 +225,19 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         d_shared, d_chunk = pullback((g, jnp.ones_like(loss)))
         return d_chunk, d_shared, nothing, no_loss + loss, full(stats), varying(row_stats)
 
-      def last():
-        def through_head(s, p, x):
+      def last():  # g: the head's gradient (the head ran after this microbatch's forward)
+        def through_last(s, p, x):
           (y, loss), (stats, row_stats) = stage(s, p, x)
-          head_loss, head_stats = fns.last(s, y, mb)
-          return loss + head_loss, ({**stats, **head_stats}, row_stats)
+          extra_loss, extra_stats = fns.last(s, y, mb)
+          return (y, loss + extra_loss), ({**stats, **extra_stats}, row_stats)
 
-        loss, pullback, (stats, row_stats) = jax.vjp(through_head, shared, chunk, x,
-                                                     has_aux=True)
-        d_shared, d_chunk, dx = pullback(jnp.ones_like(loss))
+        (_, loss), pullback, (stats, row_stats) = jax.vjp(through_last, shared, chunk, x,
+                                                          has_aux=True)
+        d_shared, d_chunk, dx = pullback((g, jnp.ones_like(loss)))
         return d_chunk, d_shared, dx, no_loss + loss, full(stats), varying(row_stats)
 
-      d_chunk, d_shared, dx, loss, stats, row_stats = jax.lax.switch(where,
-                                                                     (middle, first, last))
+      d_chunk, d_shared, dx, loss, stats, row_stats = jax.lax.switch(
+          where, (middle, first, middle if fns.last is None else last))
       if not wrt_params:
         d_chunk, d_shared = zeros(chunk), zeros(shared)
       if not wrt_x:
@@ -224,12 +252,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     def idle():
       return no_part, nothing
 
-    def forward():
-      # The last position's forward is recomputed by its backward; only store nothing here.
+    def forward():  # at the last position its output goes to the head, not to a stage
       x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
-      y = jax.lax.cond(where == 2, lambda: nothing,
-                       lambda: fns.stage(shared, chunk, x_in, mb, rows)[0])
-      return no_part, y
+      return no_part, fns.stage(shared, chunk, x_in, mb, rows)[0]
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
@@ -245,8 +270,58 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
     return accumulate(carry, c, *part), message
 
+  # The pieces move by permutes from and to the stage holding the last position: XLA gathered
+  # the rows of a reduce-scatter's or all-gather's operand over `expert` (an auto axis here).
+  holder = int(np.unique(head_ops[head_ops[:, 0] >= 0, 1]).item())  # one stage: p-1, or V's 0
+  others = [s for s in range(stages) if s != holder]
+
+  def scatter(y):  # the holder's y [b, L, ...] -> each stage's piece [b, piece, ...]
+    mine = jnp.where(me == holder, piece_of(y, holder), 0)
+    for s in others:
+      mine = mine + jax.lax.ppermute(piece_of(y, s), axis, [(holder, s)])
+    return mine
+
+  def gather(mine):  # each stage's piece -> the whole [b, L, ...] on the holder
+    b, rest = mine.shape[0], mine.shape[2:]
+    whole = jnp.zeros((b, piece, stages, *rest), mine.dtype)
+    for s in [holder, *others]:
+      whole = whole.at[:, :, s].set(
+          mine if s == holder else jax.lax.ppermute(mine, axis, [(s, holder)]))
+    return whole.reshape(b, piece * stages, *rest)[:, :length]
+
+  def head(carry, t, y):
+    """The head over this tick's last-position output y: each stage takes its piece of the
+    tokens from the holder, differentiates the head on it, and the pieces' input gradients
+    gather back into the holder's gradient buffer, which its backward reads."""
+    m, c = heads[t, 0], heads[t, 2]
+    runs, no_loss = m >= 0, vary(jnp.zeros((), jnp.float32))
+    m, c = jnp.maximum(m, 0), jnp.maximum(c, 0)
+
+    def on_piece():
+      mb = jax.tree.map(lambda a: piece_of(a[m], me), data)
+      mine = scatter(y)
+      loss, pullback, stats = jax.vjp(lambda s, h: fns.head(s, h, mb), shared, mine,
+                                      has_aux=True)
+      d_shared, d_mine = pullback(jnp.ones_like(loss))
+      dy = gather(d_mine)
+      return d_shared, no_loss + loss, full(stats), dy
+
+    def none():
+      return zeros(shared), no_loss, zeros(stats_shape), zeros(act)
+
+    d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
+    carry = dict(carry, loss=carry["loss"] + loss,
+                 stats=jax.tree.map(jnp.add, carry["stats"], stats),
+                 shared_acc=jax.tree.map(lambda m, a, d: jnp.maximum(a, d) if m else a + d,
+                                         shared_max, carry["shared_acc"], d_shared))
+    slot, buffer = m % slots, carry["grads"]
+    carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == holder), dy,
+                                                      buffer[c, slot]))
+    return carry
+
   def tick(carry, t):
     carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], used)
+    carry = head(carry, t, message)
     messages = [message]
     if paired is not None:  # the backward overlapped with this tick's forward
       carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],

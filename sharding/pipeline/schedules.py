@@ -86,6 +86,21 @@ class Schedule:
           live -= int(op in RELEASES)
     return peaks
 
+  def head_ops(self) -> np.ndarray:
+    """[ticks, 3] int: (microbatch, stage, chunk) of the forward each tick runs at the pipeline's
+    last position, or -1s where none runs: the ticks after whose first slot the executor runs
+    the head, its tokens split over all stages. That forward is never a pair's second slot."""
+    last = self.stages * self.virtual - 1
+    at_last = (self.op == FORWARD) & (self.positions()[self.chunk, np.arange(self.stages)] == last)
+    if self.paired is not None:
+      paired_at_last = self.positions()[self.paired[..., 2], np.arange(self.stages)] == last
+      assert not np.any((self.paired[..., 0] == FORWARD) & paired_at_last), self.kind
+    assert np.all(at_last.sum(axis=1) <= 1), self.kind  # one last position, one op a tick
+    out = np.full((self.ticks, 3), -1, np.int32)
+    t, s = np.nonzero(at_last)
+    out[t] = np.stack([self.microbatch[t, s], s, self.chunk[t, s]], axis=-1)
+    return out
+
   def buffer_slots(self) -> int:
     """Slots per chunk for saved inputs: the most microbatches one chunk holds at a time, each
     from the tick its input arrives (the previous position's forward ended; its own forward at

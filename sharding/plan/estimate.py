@@ -389,8 +389,10 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
-  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
-  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (1 + m.mtp_depth)
+  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor);
+  # meshtron's stages each run the head on 1/pipeline of the tokens (MTP's on the last stage).
+  head = 1 / lay.pipeline if stages_recompute else 1
+  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (head + m.mtp_depth)
   temporaries = workspace_bytes
   if lay.remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \
