@@ -28,7 +28,8 @@ PEAK_LIMIT_GIB = 76  # issue [26]: what a row's program may peak at on an 80 GB 
 
 # What the pipelined recipes' meshtron programs change in the anchor's schedule.
 PAIRED = ("meshtron pairs a forward and a backward in each steady tick (paired_1f1b, in the"
-          " anchor's order: its executor's stages tick in lock step);")
+          " anchor's order: its executor's stages tick in lock step) and runs the head on every"
+          " stage, each on 1/stages of the tokens;")
 
 @dataclasses.dataclass(frozen=True)
 class Anchor:
@@ -137,7 +138,8 @@ ANCHORS = (
            before="XLA gathered each sequence-parallel activation once per dot reading it"),
     Anchor("Llama-3.1-405B, PP16 TP8, now", "the row above's program after issue [26]'s"
            " changes so far: each sequence-parallel activation gathered once, the flash kernel"
-           " inside the stages, a forward and a backward in each steady tick (paired_1f1b)",
+           " inside the stages, a forward and a backward in each steady tick (paired_1f1b), the"
+           " head on every stage",
            "26.06 (the figure of the row"
            " above)", 326, "bf16", "llama3_405b", 128,
            dict(tensor=8, pipeline=16, sequence_parallel=True, pipeline_schedule="paired_1f1b"),
@@ -179,7 +181,7 @@ ANCHORS = (
            " changes so far: it compiles (the expert region checks its varying axes in a"
            " pipeline stage on GPUs), the flash kernel inside the stages, remat none keeping"
            " only matmul, kernel and exchange outputs, a forward and a backward in each steady"
-           " tick (paired_1f1b)",
+           " tick (paired_1f1b), the head on every stage",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b"),

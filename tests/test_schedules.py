@@ -48,6 +48,12 @@ def test_every_microbatch_passes_every_stage_in_order(kind, stages, microbatches
         assert when[(S.BACKWARD_WEIGHT, m, p)] > when[(S.BACKWARD_INPUT, m, p)]
       elif split_backward:  # DualPipeV's whole backwards; every other split one has its w
         assert kind == "dualpipev"
+  # The executor's head runs once per microbatch, in the tick of its last position's forward.
+  heads = schedule.head_ops()
+  assert sorted(heads[heads[:, 0] >= 0, 0]) == list(range(microbatches))
+  for t, (m, s, c) in enumerate(heads):
+    if m >= 0:
+      assert when[(S.FORWARD, m, positions - 1)] == t and schedule.position(c, s) == positions - 1
 
 
 @pytest.mark.parametrize("stages,microbatches", CASES)
