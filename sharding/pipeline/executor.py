@@ -312,7 +312,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
     carry = dict(carry, loss=carry["loss"] + loss,
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
-                 shared_acc=jax.tree.map(lambda m, a, d: jnp.maximum(a, d) if m else a + d,
+                 shared_acc=jax.tree.map(lambda by, a, d: jnp.maximum(a, d) if by else a + d,
                                          shared_max, carry["shared_acc"], d_shared))
     slot, buffer = m % slots, carry["grads"]
     carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == holder), dy,
