@@ -381,17 +381,15 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
   schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
-  in_flight, stash = schedules.in_flight_microbatches(*schedule), 0.0
+  in_flight, stash, head = schedules.in_flight_microbatches(*schedule), 0.0, 1.0
   if lay.pipeline > 1 and stages_recompute:
     stash = schedules.executor_stash(*schedule) * tokens * m.embed_dim * precision.act_bytes / (
         lay.tensor if lay.sequence_parallel else 1)
-    in_flight = 1 / lay.virtual_stages
+    in_flight, head = 1 / lay.virtual_stages, 1 / lay.pipeline  # each stage: its head tokens
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
-  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor);
-  # meshtron's stages each run the head on 1/pipeline of the tokens (MTP's on the last stage).
-  head = 1 / lay.pipeline if stages_recompute else 1
+  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (head + m.mtp_depth)
   temporaries = workspace_bytes
   if lay.remat != "none":  # the layer being recomputed in the backward pass
