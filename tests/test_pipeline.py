@@ -195,3 +195,26 @@ def test_invalid_pipeline_layouts_fail_before_compiling(mesh, layers, microbatch
   cfg.batch_size = 8 * microbatches
   with pytest.raises(ValueError, match=message):
     Trainer(cfg)
+
+
+def test_bf16_parameters_sum_their_gradients_in_grad_accum_dtype():
+  """bf16 parameters, pipeline=2 x data=4, 8 microbatches: the tick loop carries the stage's
+  gradient sums in grad_accum_dtype, float32 by default as the unpipelined step does (they were
+  carried in the parameters' bf16: 8 roundings of the partial sums), and in bf16 when asked.
+  Both compile: XLA:CPU aborted on the bf16 reduction of the sums over the replicas."""
+  carried = {}
+  for dtype in ("float32", "bfloat16"):
+    cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[4])
+    cfg.model = dataclasses.replace(cfg.model, param_dtype="bfloat16", dtype="bfloat16")
+    cfg.grad_accum_dtype = dtype
+    trainer = Trainer(cfg)
+    with trainer.scope():
+      text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+          ).as_text()
+    # The tick loop: the while over the schedule's ticks, whose carry holds the stage's
+    # [virtual, rows, ...] stacks; the MLP's up and gate sums are [1, 2, embed, mlp].
+    shape = f"[1,2,{MODELS[4].embed_dim},{MODELS[4].mlp_dim}]"
+    loops = [line for line in text.splitlines() if " while(" in line and shape in line]
+    assert loops, "no loop carries the stage's MLP weights"
+    carried[dtype] = max(line.count("f32" + shape) for line in loops)
+  assert carried["float32"] >= 2 and carried["bfloat16"] == 0, carried

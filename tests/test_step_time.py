@@ -278,3 +278,48 @@ def test_cudnn_attention_backward_costs_five_matmuls_and_the_forward_two():
   backward = op(prediction, "dot_product_attention_bwd.2")
   assert forward["kind"] == backward["kind"] == "attention"
   assert (forward["flops"], backward["flops"]) == (2 * per_matmul, 5 * per_matmul)
+
+
+_VIEWS_PROGRAM = """HloModule views, is_scheduled=true
+
+%slice_computation (stack: bf16[32,1024,1024], i: s32[]) -> bf16[1,1024,1024] {
+  %stack = bf16[32,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %view = bf16[32,1,1024,1024]{3,2,1,0} bitcast(%stack)
+  %row = bf16[1,1,1024,1024]{3,2,1,0} dynamic-slice(%view, %i, %zero, %zero, %zero), dynamic_slice_sizes={1,1,1024,1024}
+  ROOT %out = bf16[1,1024,1024]{2,1,0} bitcast(%row)
+}
+
+%update_computation (stack: f32[32,1024,1024], row: f32[1024,1024], i: s32[]) -> f32[32,1024,1024] {
+  %stack = f32[32,1024,1024]{2,1,0} parameter(0)
+  %row = f32[1024,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %view = f32[32,1,1024,1024]{3,2,1,0} bitcast(%stack)
+  %update = f32[1,1,1024,1024]{3,2,1,0} bitcast(%row)
+  %put = f32[32,1,1024,1024]{3,2,1,0} dynamic-update-slice(%view, %update, %i, %zero, %zero, %zero)
+  ROOT %back = f32[32,1024,1024]{2,1,0} bitcast(%put)
+}
+
+ENTRY %main (stack: bf16[32,1024,1024], acc: f32[32,1024,1024], row: f32[1024,1024], i: s32[]) -> (bf16[1,1024,1024], f32[32,1024,1024]) {
+  %stack = bf16[32,1024,1024]{2,1,0} parameter(0)
+  %acc = f32[32,1024,1024]{2,1,0} parameter(1)
+  %row = f32[1024,1024]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %slice = bf16[1,1024,1024]{2,1,0} fusion(%stack, %i), kind=kLoop, calls=%slice_computation
+  %update = f32[32,1024,1024]{2,1,0} fusion(%acc, %row, %i), kind=kLoop, calls=%update_computation
+  ROOT %t = (bf16[1,1024,1024]{2,1,0}, f32[32,1024,1024]{2,1,0}) tuple(%slice, %update)
+}
+"""
+
+
+def test_slices_and_in_place_updates_are_seen_through_bitcasts():
+  """A layer's row read from a stack of 32 and a row written in place into a gradient stack,
+  each behind a bitcast (XLA's view for a layout change, as in the scanned layers' residuals and
+  accumulators): the slice moves its row read and written, the update its row read, and written
+  twice (the in-place rule), not the whole stack."""
+  prediction = step_time.predict(_VIEWS_PROGRAM, H100)
+  row = 1024 * 1024
+  assert op(prediction, "slice")["bytes"] == 2 * row * 2 + 4  # the row in and out, the index
+  assert op(prediction, "update")["bytes"] == row * 4 + 4 + 2 * row * 4

@@ -73,8 +73,9 @@ def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_m
     present = stage_split.present_rows(layout.stacks)
     by_max = None if is_fp8 is None else (
         {k: is_fp8[k] for k in stacks}, {k: v for k, v in is_fp8.items() if k in shared})
+    fns = stage_fns(graphdef, cfg, chunk, shared.get("mtp") is not None)
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
-        layout, stage_fns(graphdef, cfg, chunk, shared.get("mtp") is not None), plan, stacks, shared, micro, present, by_max)
+        layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

@@ -46,7 +46,7 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
 
 
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
-                   present: dict | None = None, by_max=None):
+                   present: dict | None = None, by_max=None, accum_dtype=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -63,9 +63,11 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
     by_max: (tree like `layers`, tree like `shared`) of bools: the leaves whose "gradients" are
       combined by max over microbatches and stages instead of summed (fp8 amax histories);
       None: every leaf summed.
+    accum_dtype: the dtype the summed gradients are carried in over the microbatches (the
+      train step's grad_accum_dtype); None: each parameter's. The by-max leaves keep theirs.
   Returns:
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
-    storage order), summed over microbatches.
+    storage order), summed over microbatches, in the parameters' dtypes.
   """
   axis = layout.pipeline_axis
   # Data-parallel replicas are manual too: each differentiates its rows of every microbatch and
@@ -90,7 +92,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
 
   def per_device(layers, shared, data):
     with excluding((axis, *replica_axes)):
-      return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max)
+      return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max,
+                  accum_dtype)
 
   specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
@@ -104,7 +107,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
           to_chunks(row_stats, inverse=True))
 
 
-def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max):
+def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max, accum_dtype):
   """One device's part: a scan over the ticks of the table."""
   manual = (axis, *replica_axes)
   stages, virtual = schedule.stages, schedule.virtual
@@ -167,7 +170,14 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # The shared weights are replicated over stages; as varying values their gradients stay
   # per stage (no implicit psum inside a branch only one stage takes) and are summed at the end.
   shared = vary(shared)
-  carry = dict(inputs=buffer, grads=buffer, layer_acc=zeros(local), shared_acc=zeros(shared),
+  layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
+                                     jax.tree.map(lambda _: False, shared))
+  # The sums over microbatches in accum_dtype (float32 by default, as the unpipelined step and
+  # Megatron's main_grad keep them: 128 bf16 additions lose the small microbatches' part).
+  summed = lambda tree, by: zeros(jax.tree.map(lambda a, m: jax.ShapeDtypeStruct(
+      a.shape, a.dtype if m or accum_dtype is None else accum_dtype), tree, by))
+  carry = dict(inputs=buffer, grads=buffer, layer_acc=summed(local, layer_max),
+               shared_acc=summed(shared, shared_max),
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
                    lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)))
@@ -178,16 +188,15 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   def varying(row_stats):  # the same type from every piece (a constant is not varying)
     return jax.tree.map(jnp.add, zeros(row_shape), row_stats)
 
-  layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
-                                     jax.tree.map(lambda _: False, shared))
-
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
     carry["row_acc"] = jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows)
-    carry["layer_acc"] = jax.tree.map(lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d),
-                                      layer_max, carry["layer_acc"], d_layers)
-    carry["shared_acc"] = jax.tree.map(lambda m, a, d: jnp.maximum(a, d) if m else a + d,
-                                       shared_max, carry["shared_acc"], d_shared)
+    carry["layer_acc"] = jax.tree.map(
+        lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d.astype(a.dtype)),
+        layer_max, carry["layer_acc"], d_layers)
+    carry["shared_acc"] = jax.tree.map(
+        lambda m, a, d: jnp.maximum(a, d) if m else a + d.astype(a.dtype),
+        shared_max, carry["shared_acc"], d_shared)
     carry["loss"] = carry["loss"] + loss
     carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
@@ -268,6 +277,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     # Only the operations this schedule uses are compiled (each backward holds three vjps).
     branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
     part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
+    if set(ops) <= {sched.IDLE, sched.FORWARD}:  # no gradients (paired_1f1b's forward slot):
+      return carry, message  # adding its zeros took a pass over the chunk's sums every tick
     return accumulate(carry, c, *part), message
 
   # The pieces move by permutes from and to the stage holding the last position: XLA gathered
@@ -312,8 +323,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
     carry = dict(carry, loss=carry["loss"] + loss,
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
-                 shared_acc=jax.tree.map(lambda by, a, d: jnp.maximum(a, d) if by else a + d,
-                                         shared_max, carry["shared_acc"], d_shared))
+                 shared_acc=jax.tree.map(
+                     lambda by, a, d: jnp.maximum(a, d) if by else a + d.astype(a.dtype),
+                     shared_max, carry["shared_acc"], d_shared))
     slot, buffer = m % slots, carry["grads"]
     carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == holder), dy,
                                                       buffer[c, slot]))
@@ -354,10 +366,16 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     by_max = by_max or jax.tree.map(lambda _: False, tree)
     if not axes:
       return tree
-    return jax.tree.map(lambda m, a: jax.lax.pmax(a, axes) if m else jax.lax.psum(a, axes),
-                        by_max, tree)
+
+    def one(m, a):  # in float32 at least: XLA:CPU aborts on a bf16 psum in a shard_map that
+      # leaves some mesh axes automatic (its all-reduce promotion meets a sharding constraint)
+      wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+      return (jax.lax.pmax(wide, axes) if m else jax.lax.psum(wide, axes)).astype(a.dtype)
+    return jax.tree.map(one, by_max, tree)
   rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
-  return (rows_of(reduce(carry["layer_acc"], replica_axes, layer_max)),
-          reduce(carry["shared_acc"], manual, shared_max), reduce(carry["loss"], manual),
+  as_params = lambda tree, like: jax.tree.map(lambda a, p: a.astype(p.dtype), tree, like)
+  return (rows_of(as_params(reduce(carry["layer_acc"], replica_axes, layer_max), local)),
+          as_params(reduce(carry["shared_acc"], manual, shared_max), shared),
+          reduce(carry["loss"], manual),
           reduce(carry["stats"], manual), rows_of(reduce(carry["row_acc"], replica_axes)))
 

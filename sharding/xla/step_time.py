@@ -13,7 +13,7 @@ blocks the compute stream.
   kernels by name (forward 2 matmuls, dQ 3, dK/dV 4, each 2·B·H·L²·d halved for the causal
   mask) at the flash fraction. Bytes: operands read and
   results written, where an operand only sliced (dynamic-slice, gather) counts its slices and an
-  in-place dynamic-update-slice its update.
+  in-place dynamic-update-slice its update, also through bitcasts (views, which move nothing).
 - A collective costs its ring wire bytes (hlo.Collective.wire_bytes) over the bus bandwidth of
   NVLink when its group stays in a node, else of the network, plus a latency.
 
@@ -160,20 +160,28 @@ class _Walk:
     body = self.comps[fused[0]]
     params = {int(m.group(1)): x.name for x in body if x.op == "parameter"
               if (m := re.match(r"\s*(\d+)", x.attrs))}
+    # A bitcast is a view of its operand (no kernel, no bytes): a value is read where the
+    # views of it are, so the rules below look through them.
+    by_name = {x.name: x for x in body}
+    viewed = lambda name: viewed(hlo.operands(by_name[name])[0]) if name in by_name and \
+        by_name[name].op == "bitcast" else name  # noqa: E731
     users: dict[str, list] = {}
     for x in body:
-      for name in hlo.operands(x):
-        users.setdefault(name, []).append(x)
+      if x.op != "bitcast":
+        for name in hlo.operands(x):
+          users.setdefault(viewed(name), []).append(x)
     root = body[-1] if body else None
+    while root is not None and root.op == "bitcast":
+      root = by_name.get(hlo.operands(root)[0])
     in_place = root is not None and root.op == "dynamic-update-slice"
     total = 0.0
     for i, operand in enumerate(operands):
       param = params.get(i)
       uses = users.get(param, [])
-      if in_place and hlo.operands(root)[:1] == [param]:
+      if in_place and [viewed(o) for o in hlo.operands(root)[:1]] == [param]:
         continue  # the buffer updated in place: only the update moves
-      if uses and all(u.op in ("dynamic-slice", "gather") and hlo.operands(u)[:1] == [param]
-                      for u in uses):
+      if uses and all(u.op in ("dynamic-slice", "gather") and
+                      [viewed(o) for o in hlo.operands(u)[:1]] == [param] for u in uses):
         total += sum(nbytes(u.type) for u in uses)
       else:
         total += nbytes(types.get(operand, ""))
