@@ -218,3 +218,18 @@ def test_bf16_parameters_sum_their_gradients_in_grad_accum_dtype():
     assert loops, "no loop carries the stage's MLP weights"
     carried[dtype] = max(line.count("f32" + shape) for line in loops)
   assert carried["float32"] >= 2 and carried["bfloat16"] == 0, carried
+
+
+def test_a_stage_of_few_layers_runs_them_unrolled():
+  """pipeline=2 x data=4: with 2 layers a stage, the stage runs them unrolled, so the compiled
+  program's only loop is the schedule's ticks (scanned, each tick stacked every layer's residuals
+  for the backward and sliced each layer's weights); with 8 layers a stage they stay scanned."""
+  loops = {}
+  for layers in (4, 16):
+    cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[layers])
+    trainer = Trainer(cfg)
+    with trainer.scope():
+      text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+          ).as_text()
+    loops[layers] = sum(" while(" in line for line in text.splitlines())
+  assert loops[4] == 1 and loops[16] > 1, loops

@@ -323,3 +323,36 @@ def test_slices_and_in_place_updates_are_seen_through_bitcasts():
   row = 1024 * 1024
   assert op(prediction, "slice")["bytes"] == 2 * row * 2 + 4  # the row in and out, the index
   assert op(prediction, "update")["bytes"] == row * 4 + 4 + 2 * row * 4
+
+
+_RAGGED = """HloModule ragged, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,512], out: bf16[2048,512], o: s64[{n}]) -> bf16[2048,512] {{
+  %x = bf16[1024,512]{{1,0}} parameter(0)
+  %out = bf16[2048,512]{{1,0}} parameter(1)
+  %o = s64[{n}]{{0}} parameter(2)
+  %ragged-all-to-all-start = ((bf16[1024,512]{{1,0}}, bf16[2048,512]{{1,0}}, s64[{n}]{{0}}, s64[{n}]{{0}}, s64[{n}]{{0}}, s64[{n}]{{0}}), bf16[2048,512]{{1,0}}) ragged-all-to-all-start(%x, %out, %o, %o, %o, %o), channel_id=1, replica_groups={{{{{ids}}}}}
+  ROOT %ragged-all-to-all-done = bf16[2048,512]{{1,0}} ragged-all-to-all-done(%ragged-all-to-all-start)
+}}
+"""
+
+
+def test_a_ragged_all_to_all_is_priced_as_an_exchange_not_as_a_kernel():
+  """The dropless exchange sends 1024 rows of 1 KiB into a receive buffer sized for 2048: the
+  payload is the smaller buffer. Inside a node of 8: the all-to-all formula over NVLink. Over 16
+  GPUs in 2 nodes: the half for the other node through the GPU's NIC, 7/16 over NVLink meanwhile.
+  Neither is charged as a memory-bound kernel."""
+  sent = 1024 * 512 * 2
+  node = step_time.predict(_RAGGED.format(n=8, ids=",".join(map(str, range(8)))), H100)
+  two = step_time.predict(_RAGGED.format(n=16, ids=",".join(map(str, range(16)))), H100,
+                          gpus_per_node=8)
+  (col,) = [c for c in hlo.collectives(_RAGGED.format(n=8, ids=",".join(map(str, range(8)))))]
+  assert col.kind == "ragged-all-to-all" and col.bytes == sent and col.group_size == 8
+  assert node.communication_s == pytest.approx(
+      7 / 8 * sent / H100.nvlink_busbw + H100.collective_latency_s)
+  assert two.communication_s == pytest.approx(
+      max(sent * 8 / 16 / H100.network_busbw_per_gpu, sent * 7 / 16 / H100.nvlink_busbw)
+      + H100.network_latency_s)
+  for prediction in (node, two):
+    assert prediction.compute_s == 0 and prediction.step_s == pytest.approx(
+        prediction.communication_s)

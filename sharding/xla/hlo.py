@@ -5,7 +5,8 @@ import dataclasses
 import math
 import re
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+         "ragged-all-to-all")
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
@@ -41,7 +42,9 @@ class Collective:
 
   `bytes` (S) is the payload per device, by kind: all-reduce, all-to-all and collective-permute:
   the result bytes; all-gather: the gathered result bytes (S_out); reduce-scatter: the operand
-  bytes S_in = N × result bytes. Tuple payloads (combined ops, CPU all-to-all as N slices) add up
+  bytes S_in = N × result bytes; ragged-all-to-all (the dropless MoE exchange on GPUs, whose
+  rows per peer depend on the routing): the smaller of its send and receive buffers, what every
+  device sends and receives under balanced routing (the other buffer is sized for imbalance). Tuple payloads (combined ops, CPU all-to-all as N slices) add up
   every element; `shape`/`dtype` then describe the first element only.
 
   Attributes:
@@ -80,7 +83,7 @@ class Collective:
       return float(s)
     if self.kind == "all-reduce":
       return 2 * (n - 1) / n * s
-    # all-gather (S_out), reduce-scatter (S_in) and all-to-all share one formula.
+    # all-gather (S_out), reduce-scatter (S_in) and the all-to-alls share one formula.
     return (n - 1) / n * s
 
   @property
@@ -322,6 +325,9 @@ def _payload(kind: str, is_start: bool, type_str: str) -> str:
   if not is_start or kind == "all-reduce":
     return type_str  # all-reduce-start's result is the reduced value itself
   parts = _split_top(type_str)
+  if kind == "ragged-all-to-all":  # ((input, output, offsets and sizes...), output)
+    sent, received = _split_top(parts[0])[0], parts[-1]
+    return min(sent, received, key=lambda t: _nbytes(_leaves(t)))
   if kind == "collective-permute":
     return parts[1]  # (operand, result, context...)
   return parts[-1]  # (operand(s), result)

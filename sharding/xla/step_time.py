@@ -15,7 +15,9 @@ blocks the compute stream.
   results written, where an operand only sliced (dynamic-slice, gather) counts its slices and an
   in-place dynamic-update-slice its update, also through bitcasts (views, which move nothing).
 - A collective costs its ring wire bytes (hlo.Collective.wire_bytes) over the bus bandwidth of
-  NVLink when its group stays in a node, else of the network, plus a latency.
+  NVLink when its group stays in a node, else of the network, plus a latency. A ragged
+  all-to-all across nodes (the dropless MoE exchange) has no ring: the bytes for peers in other
+  nodes leave through the GPU's own NIC, the rest over NVLink meanwhile.
 
 The constants are the GPU profile's (sharding/plan/profiles.py), each with its source.
 """
@@ -204,6 +206,17 @@ class _Walk:
   def collective_seconds(self, c: hlo.Collective) -> float:
     p = self.profile
     inside = self.group_in_node(c)
+    if c.kind == "ragged-all-to-all" and not inside:
+      # An all-to-all has no ring to spread over a node's NICs: the rows for peers in other
+      # nodes leave through this GPU's own NIC (network_busbw_per_gpu, its line rate), the
+      # rows for its node's peers over NVLink at the same time.
+      ins = self.instruction(c.computation, c.name)
+      ids = first_group(ins.attrs) if ins else None
+      local = sum(i // self.gpus_per_node == ids[0] // self.gpus_per_node for i in ids) \
+          if ids else 1
+      n = c.group_size
+      return max(c.bytes * (n - local) / n / p.network_busbw_per_gpu,
+                 c.bytes * (local - 1) / n / p.nvlink_busbw) + p.network_latency_s
     bandwidth = p.nvlink_busbw if inside else min(
         p.nvlink_busbw, p.network_busbw_per_gpu * min(c.group_size, self.gpus_per_node))
     latency = p.collective_latency_s if inside else p.network_latency_s
