@@ -381,14 +381,14 @@ def test_a_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   compiles) ends with one line and 130. Before, the line was followed by a native segmentation
   fault dump from the interpreter's shutdown around JAX's running threads. The workdir it made
   holds nothing then (it held the lock file): it is removed. The Ctrl-C comes when the workdir
-  appears, just before the compile, with the compilation cache off (a fixed 6 s wait found the
-  step cached and training begun: a Ctrl-C then saves and exits 0)."""
-  workdir = tmp_path / "new" / "run"
-  proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "meshtron"), "train",
-                           "--config=debug", f"--workdir={workdir}", "--cpu_devices=1",
-                           "--config.compilation_cache_dir="],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=environment(), cwd=REPO)
+  appears, just before the compile, with the compile cache off (a 6 s wait found training begun),
+  to a run with a terminal's SIGINT (a background `make test` passes it on ignored)."""
+  workdir, default_sigint = tmp_path / "new" / "run", "import os, signal, sys; signal.signal(" \
+      "signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+  proc = subprocess.Popen([sys.executable, "-c", default_sigint, os.path.join(
+      os.path.dirname(sys.executable), "meshtron"), "train", "--config=debug",
+      f"--workdir={workdir}", "--cpu_devices=1", "--config.compilation_cache_dir="],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(), cwd=REPO)
   deadline = time.monotonic() + 120
   while not workdir.exists() and proc.poll() is None and time.monotonic() < deadline:
     time.sleep(0.02)
