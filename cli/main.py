@@ -12,6 +12,7 @@ jax.distributed where a verb needs them, and hands the verb to its module. The l
 
 import logging as pylogging
 import os
+import signal
 import sys
 
 from absl import app, flags as absl_flags
@@ -27,15 +28,23 @@ def main() -> None:
   """The `meshtron` console script (and `python -m cli.main`)."""
   host_memory.reexec_with_tunables()
   console.quiet_unraisable_asyncio()
+  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ends the command from the handler: raised as KeyboardInterrupt, a Ctrl-C landing in a
+    # garbage-collection callback (JAX's) was printed and dropped by Python, and training ran on.
+    signal.signal(signal.SIGINT, _interrupted)
   try:
     run()
   except KeyboardInterrupt:  # before training installed its own Ctrl-C handling
-    # At once: a Ctrl-C during start-up can leave native threads (a compile, the data loader)
-    # running, and the interpreter's shutdown around them crashed (a segmentation fault dump
-    # after the line). Nothing is left to save.
-    from trainer.process import workdir  # light: no JAX
-    workdir.remove_if_unused()
-    fail("interrupted; nothing was saved", code=130, at_once=True)
+    _interrupted()
+
+
+def _interrupted(*_) -> None:
+  # At once: a Ctrl-C during start-up can leave native threads (a compile, the data loader)
+  # running, and the interpreter's shutdown around them crashed (a segmentation fault dump
+  # after the line). Nothing is left to save.
+  from trainer.process import workdir  # light: no JAX
+  workdir.remove_if_unused()
+  fail("interrupted; nothing was saved", code=130, at_once=True)
 
 
 def run() -> None:
