@@ -188,15 +188,17 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   def varying(row_stats):  # the same type from every piece (a constant is not varying)
     return jax.tree.map(jnp.add, zeros(row_shape), row_stats)
 
+  def add_shared(acc, d):  # one piece's shared gradients into their sums (fp8 histories: max)
+    return jax.tree.map(lambda m, a, g: jnp.maximum(a, g) if m else a + g.astype(a.dtype),
+                        shared_max, acc, d)
+
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
     carry["row_acc"] = jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows)
     carry["layer_acc"] = jax.tree.map(
         lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d.astype(a.dtype)),
         layer_max, carry["layer_acc"], d_layers)
-    carry["shared_acc"] = jax.tree.map(
-        lambda m, a, d: jnp.maximum(a, d) if m else a + d.astype(a.dtype),
-        shared_max, carry["shared_acc"], d_shared)
+    carry["shared_acc"] = add_shared(carry["shared_acc"], d_shared)
     carry["loss"] = carry["loss"] + loss
     carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
@@ -323,9 +325,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
     carry = dict(carry, loss=carry["loss"] + loss,
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
-                 shared_acc=jax.tree.map(
-                     lambda by, a, d: jnp.maximum(a, d) if by else a + d.astype(a.dtype),
-                     shared_max, carry["shared_acc"], d_shared))
+                 shared_acc=add_shared(carry["shared_acc"], d_shared))
     slot, buffer = m % slots, carry["grads"]
     carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == holder), dy,
                                                       buffer[c, slot]))

@@ -44,8 +44,9 @@ class Collective:
   the result bytes; all-gather: the gathered result bytes (S_out); reduce-scatter: the operand
   bytes S_in = N × result bytes; ragged-all-to-all (the dropless MoE exchange on GPUs, whose
   rows per peer depend on the routing): the smaller of its send and receive buffers, what every
-  device sends and receives under balanced routing (the other buffer is sized for imbalance). Tuple payloads (combined ops, CPU all-to-all as N slices) add up
-  every element; `shape`/`dtype` then describe the first element only.
+  device sends and receives under balanced routing (the other buffer is sized for imbalance).
+  Tuple payloads (combined ops, CPU all-to-all as N slices) add up every element;
+  `shape`/`dtype` then describe the first element only.
 
   Attributes:
     kind: One of KINDS.
