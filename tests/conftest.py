@@ -51,6 +51,33 @@ def pytest_configure(config):
                                      " the reason shown, everywhere else")
 
 
+SLOW_CASES = os.path.join(os.path.dirname(__file__), "slow_cases.txt")
+
+
+def slow_case_ids() -> set[str]:
+  """The test ids tests/slow_cases.txt moves out of the default suite into `make test-all`."""
+  with open(SLOW_CASES, encoding="utf-8") as f:
+    return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects by the marks
+def pytest_collection_modifyitems(config, items):
+  slow, collected = slow_case_ids(), {item.nodeid for item in items}
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+  # A renamed test would leave its line behind and run in the default suite again: checked for
+  # each file collected whole (not where the command line named some of its tests).
+  root = str(config.rootpath)
+  named_in_part = {os.path.relpath(os.path.abspath(a.split("::")[0]), root)
+                   for a in config.args if "::" in a}
+  whole = {i.split("::")[0] for i in collected} - named_in_part
+  stale = sorted(i for i in slow if i.split("::")[0] in whole and i not in collected)
+  if stale:
+    raise pytest.UsageError(f"{SLOW_CASES} names {stale[0]}, which is no test: fix or remove that"
+                            " line")
+
+
 def pytest_runtest_setup(item):
   on_gpu_marker = item.get_closest_marker("gpu") is not None
   if on_gpu_marker and not GPU_MODE:
