@@ -8,7 +8,7 @@ from flax import nnx
 
 import kernels
 from models.config import ModelConfig
-from models.layers import GATHERED, Einsum, RMSNorm, gather_sequence, projection_kw
+from models.layers import GATHERED, Einsum, RMSNorm, project_shared, projection_kw
 from models.rope import apply_rope, inverse_frequencies
 from sharding import constrain, constrain_cotangent, context_attention, shard_map_logical
 
@@ -72,11 +72,11 @@ class Attention(nnx.Module):
 
   def project(self, x_BLD, positions_BL):
     """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
-    if self.remat != "none":  # one gather for q, k and v (models/layers.py)
-      x_BLD = gather_sequence(x_BLD, self.dtype)
-    q = constrain(self.q("BLD,DHd->BLHd", x_BLD), Q_NAMES)
-    k = constrain(self.k("BLD,DKd->BLKd", x_BLD), KV_NAMES)
-    v = constrain(self.v("BLD,DKd->BLKd", x_BLD), KV_NAMES)
+    # One gather for q, k and v (models/layers.py): in fp8 when tensorwise, else in bf16 for
+    # layers that recompute.
+    q, k, v = project_shared((self.q, self.k, self.v),
+                             ("BLD,DHd->BLHd", "BLD,DKd->BLKd", "BLD,DKd->BLKd"),
+                             (Q_NAMES, KV_NAMES, KV_NAMES), x_BLD, self.remat != "none")
     if self.q_norm is not None:  # QK-norm (Qwen3), per head over the head dim
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = inverse_frequencies(*self.rope)

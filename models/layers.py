@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
-from models.fp8.current import quantized_einsum
+from models.fp8.current import quantized_einsum, shared_input_einsums
 from sharding import constrain, embedding_lookup
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
@@ -27,6 +27,36 @@ def gather_sequence(x_BLD: jax.Array, dtype) -> jax.Array:
   name), where Megatron-SP keeps the 1/tensor shard; there XLA gathers per dot instead."""
   # Cast where it lies (RESIDUAL), or XLA may gather the float32 norm output in the recomputation.
   return constrain(constrain(x_BLD.astype(dtype), RESIDUAL), GATHERED)
+
+
+def project_shared(einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: Sequence,
+                   x_BLD: jax.Array, gather_once: bool) -> tuple:
+  """`einsums[i](eqns[i], x_BLD)`, constrained to `out_names[i]`, for projections that read one
+  input (q, k and v; gate and up).
+  With tensorwise fp8 in all of them and the tokens split (sequence or context parallelism), x
+  is quantized and, under sequence parallelism, gathered once, in fp8, for all of them (models/fp8/current.py,
+  shared_input_einsums): quantized per GEMM, XLA gathered each GEMM's fp8 copy of the input for
+  it, forward and backward (the 70B TP4 PP8 recipe: 10 gathers per two layers where 4 do).
+  Where nothing is gathered, grouping only saves amax and cast passes, and on the
+  Megatron-Bridge 8B FP8 FSDP recipe it cost memory: 59.4 -> 65.5 GiB, XLA then recomputing
+  GEMMs to fit (12,193 -> 10,864 predicted tok/s/GPU); not traced further, so each GEMM
+  quantizes x there. Otherwise each projects x, gathered once first when `gather_once`
+  (gather_sequence's layers that recompute)."""
+  if einsums[0].tokens_split and all(e.fp8_recipe == "tensorwise" for e in einsums):
+    weights = tuple(tuple(e.w_fp8.get_value()[:2]) if hasattr(e, "w_fp8") else None
+                    for e in einsums)
+    dtype = einsums[0].dtype
+    ys = shared_input_einsums(tuple(eqns), _gathered, x_BLD.astype(dtype),
+                              tuple(e.w[...].astype(e.dtype) for e in einsums), weights)
+    return tuple(constrain(y, names) for y, names in zip(ys, out_names))
+  if gather_once:
+    x_BLD = gather_sequence(x_BLD, einsums[0].dtype)
+  return tuple(constrain(e(eqn, x_BLD), names) for e, eqn, names in zip(einsums, eqns, out_names))
+
+
+def _gathered(x_BLD: jax.Array) -> jax.Array:  # a module-level function: a stable static arg
+  # Quantized where it lies (RESIDUAL), or XLA gathers the float32 x * scale before the cast.
+  return constrain(constrain(x_BLD, RESIDUAL), GATHERED)
 
 
 def projection_kw(cfg, compute, layout, rngs: nnx.Rngs, target: str | None = None) -> dict:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import GATHERED, RESIDUAL, Einsum, gather_sequence, projection_kw
+from models.layers import GATHERED, RESIDUAL, Einsum, project_shared, projection_kw
 from sharding import (constrain, constrain_cotangent, logical_all_gather_matmul,
                       logical_matmul_reduce_scatter)
 
@@ -29,11 +29,11 @@ class MLP(nnx.Module):
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     if self.collective_matmul:
       return self._collective(x_BLD)
-    names = HIDDEN
-    if self.remat != "none":  # one gather for gate and up (models/layers.py)
-      x_BLD = gather_sequence(x_BLD, self.dtype)
-    hidden = jax.nn.silu(constrain(self.gate("BLD,DF->BLF", x_BLD), names))
-    hidden = hidden * constrain(self.up("BLD,DF->BLF", x_BLD), names)
+    # One gather for gate and up (models/layers.py): in fp8 when tensorwise, else in bf16 for
+    # layers that recompute.
+    gate, up = project_shared((self.gate, self.up), ("BLD,DF->BLF", "BLD,DF->BLF"),
+                              (HIDDEN, HIDDEN), x_BLD, self.remat != "none")
+    hidden = jax.nn.silu(gate) * up
     # Its gradient gathered once for both of down's backward dots (models/layers.py GATHERED).
     return constrain_cotangent(self.down("BLF,FD->BLD", hidden), GATHERED)
 

@@ -150,4 +150,7 @@ def constrain_tree(tree: Any, names_tree: Any, role: str) -> Any:
   if active() is None:
     return tree
   shardings = tree_shardings(names_tree, tree, role, prefix=f"{role}/")
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.manual_axes:  # inside a shard_map, as in `constrain`
+    shardings = jax.tree.map(lambda s: NamedSharding(abstract, s.spec), shardings)
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)

@@ -17,11 +17,15 @@ from configs import llama
 from models import ComputeConfig, builder
 from models.fp8.config import Fp8Config
 from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
-from models.fp8.current import quantize_weight as tensorwise_weight, quantized_einsum
+from models.fp8.current import (quantize_weight as tensorwise_weight, quantized_einsum,
+                                shared_input_einsums)
 from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights
-from sharding import Layout
+from sharding import Layout, MeshConfig
+from sharding.xla import hlo
+from tests import parallel_harness as harness
 from trainer.config import StepConfig
 from trainer.step import make_grads_fn, make_loss_sums
+from trainer.trainer import Trainer
 
 EQN = "BLD,DHd->BLHd"
 
@@ -94,21 +98,21 @@ def test_the_model_with_its_weights_quantized_once_equals_quantizing_in_each_gem
   jax.tree.map(np.testing.assert_array_equal, per_gemm, once)
 
 
-def _weight_converts(jaxpr, shapes, inside_scan=False, found=None):
-  """{"inside": n, "outside": n}: conversions to e4m3 of arrays of `shapes` (the weights), by
-  whether they sit inside the microbatch scan (a scan of length 2)."""
+def _weight_converts(jaxpr, is_weight, is_loop, inside_scan=False, found=None):
+  """{"inside": n, "outside": n}: conversions to e4m3 of arrays whose shape `is_weight`, by
+  whether they sit inside a scan that `is_loop` (the microbatches', the pipeline's ticks)."""
   found = found if found is not None else {"inside": 0, "outside": 0}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "convert_element_type" and \
         eqn.params["new_dtype"] == jnp.float8_e4m3fn and \
-        tuple(eqn.invars[0].aval.shape) in shapes:
+        is_weight(tuple(eqn.invars[0].aval.shape)):
       found["inside" if inside_scan else "outside"] += 1
-    inner = inside_scan or (eqn.primitive.name == "scan" and eqn.params["length"] == 2)
+    inner = inside_scan or (eqn.primitive.name == "scan" and is_loop(eqn))
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         sub = getattr(sub, "jaxpr", sub)
         if isinstance(sub, jax.extend.core.Jaxpr):
-          _weight_converts(sub, shapes, inner, found)
+          _weight_converts(sub, is_weight, is_loop, inner, found)
   return found
 
 
@@ -127,8 +131,81 @@ def test_the_microbatch_loop_quantizes_no_weight(recipe):
   tensorwise, _ = builder.abstract_model(*small_model("tensorwise"))
   stacks = [w.q.shape for w in jax.eval_shape(
       lambda p: quantize_weights(nnx.merge(tensorwise, p)), abstract).values()]
-  found = _weight_converts(jaxpr, {*stacks, *(s[1:] for s in stacks)})
+  found = _weight_converts(jaxpr, {*stacks, *(s[1:] for s in stacks)}.__contains__,
+                           lambda scan: scan.params["length"] == 2)
   if recipe == "tensorwise":  # each of the 7 projections' stack, once
     assert found == {"inside": 0, "outside": len(stacks)} and len(stacks) == 7, found
   else:
     assert found["inside"] > 0 and found["outside"] == 0, found
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_pipeline_ticks_quantize_no_weight(recipe):
+  """pipeline=2 x fsdp=2 x tensor=2 with 2 microbatches: each stage quantizes its chunks'
+  weights once, before the ticks (trainer/pipeline_step.py, `quantize`), and no tick quantizes
+  one: the forward, the backward's recomputation and its dx GEMM read that copy.
+  Before, every projection was quantized inside the ticks (tests/test_fp8.py checks that the
+  numbers equal one device's)."""
+  # No activation's shape ends in a weight's ([b, L, D] = [16, 16, 32] would end in o's).
+  model = dataclasses.replace(harness.MODEL, head_dim=24, mlp_dim=256)
+  compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe=recipe))
+  cfg = harness.config(MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2), microbatches=2,
+                       model=model, compute=compute)
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    jaxpr = trainer.train_step.trace(trainer.abstract_state, trainer.abstract_batch()).jaxpr.jaxpr
+  graphdef, abstract = builder.abstract_model(model, compute)
+  # A layer's weights: the tails of the stacks' shapes (a stage holds [virtual, rows, ...]).
+  layer_weights = [w.q.shape[1:] for w in jax.eval_shape(
+      lambda p: quantize_weights(nnx.merge(graphdef, p)), abstract).values()]
+  is_weight = lambda shape: any(shape[-len(w):] == w for w in layer_weights)
+  found = _weight_converts(jaxpr, is_weight, lambda scan: True)
+  assert len(layer_weights) == 7 and found == {"inside": 0, "outside": 7}, found
+
+
+@pytest.mark.parametrize("beforehand", [False, True])
+def test_projections_of_one_input_give_the_separate_gemms_numbers(operands, beforehand):
+  """shared_input_einsums (q, k and v of one x, quantized once): each output and each dw are
+  bit-identical to a separate quantized_einsum's, and dx is the separate dx's summed in order;
+  with the weights quantized beforehand (models/fp8/weights.py) or in the GEMMs."""
+  x, w, _, _ = operands
+  rng = np.random.default_rng(2)
+  ws = (w, *(jnp.asarray(rng.normal(size=(32, 2, 8)) * 0.05, jnp.bfloat16) for _ in range(2)))
+  eqns = ("BLD,DHd->BLHd", "BLD,DKd->BLKd", "BLD,DKd->BLKd")
+  weights = tuple(tensorwise_weight(w) if beforehand else None for w in ws)
+  cs = tuple(jnp.asarray(rng.normal(size=(2, 5, w.shape[1], 8)) * 1e-3, jnp.bfloat16) for w in ws)
+  ys, pullback = jax.vjp(lambda x, *ws: shared_input_einsums(eqns, lambda q: q, x, ws, weights),
+                         x, *ws)
+  dx, *dws = pullback(cs)
+  dx_sum = None
+  for eqn, w, weight, c, y, dw in zip(eqns, ws, weights, cs, ys, dws):
+    weight = None if weight is None else QuantizedWeight(*weight, None)
+    y_one, one_pullback = jax.vjp(lambda x, w: quantized_einsum("tensorwise", eqn, x, w, weight),
+                                  x, w)
+    dx_one, dw_one = one_pullback(c)
+    np.testing.assert_array_equal(y, y_one)
+    np.testing.assert_array_equal(dw, dw_one)
+    dx_sum = dx_one if dx_sum is None else dx_sum + dx_one
+  np.testing.assert_array_equal(dx, dx_sum)
+
+
+def test_tensor_parallel_projections_gather_their_fp8_input_once():
+  """tensor=4 with sequence parallelism, tensorwise, 2 layers, on 8 CPU devices: one all-gather
+  of the fp8 input for q, k and v and one for gate and up per layer, in the forward; the
+  backward's dw GEMMs read the gathered copy. Quantized in each GEMM, XLA gathered each GEMM's
+  fp8 copy for it, forward and backward: 20 gathers (the 70B TP4 PP8 VP5 recipe's fp8 gathers
+  went from 2.4 TB to 0.55 TB a step, docs/planning.md)."""
+  model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256, dtype="bfloat16")
+  compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe="tensorwise"))
+  cfg = harness.config(MeshConfig(data=2, tensor=4, sequence_parallel=True), model=model,
+                       compute=compute)
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    text = trainer.train_step.lower(trainer.abstract_state,
+                                    trainer.abstract_batch()).compile().as_text()
+  rows = harness.BATCH // 2  # per data-parallel replica
+  activation = (rows, harness.SEQ, model.embed_dim)
+  # XLA:CPU moves fp8 collectives as f16; the bf16 step's own gathers are float32 here.
+  fp8 = [c for c in hlo.collectives(text) if c.kind == "all-gather" and c.shape == activation
+         and c.dtype in ("f8e4m3fn", "f16")]
+  assert sum(c.count * c.arrays for c in fp8) == 2 * model.num_layers, fp8

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout
 from sharding.pipeline import executor as pipeline, schedules, stage_split
 from trainer import loss
@@ -24,10 +25,19 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
   def first(shared, mb):
     return model_of(shared, placeholder()).embed_tokens(mb["inputs"])
 
-  def stage(shared, chunk, x, mb, present):
-    """The chunk's layers; with MoE layers, their share of the router losses (each a sum over
-    the model's layers / their count: the stages' shares add up to the one-device loss)."""
+  def quantize(shared, chunk):
+    """The chunk's tensorwise and delayed fp8 weights (models/fp8/weights.py), {module path:
+    QuantizedWeight}; the executor computes them once per step."""
+    weights = quantize_weights(model_of(shared, chunk))
+    return {path: w for path, w in weights.items() if path[0] in chunk}
+
+  def stage(shared, chunk, x, mb, present, quantized=None):
+    """The chunk's layers (`quantized`: its fp8 weights from `quantize`); with MoE layers, their
+    share of the router losses (each a sum over the model's layers / their count: the stages'
+    shares add up to the one-device loss)."""
     model = model_of(shared, chunk)
+    if quantized:
+      fp8_attach(model, quantized)
     segments = loss.attention_segments(mb, cfg.document_mask)
     x, aux = model.run_layers(x, mb["positions"], segments, present)
     none = jnp.zeros((), jnp.float32)
@@ -50,7 +60,7 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
     model = model_of(shared, placeholder())
     return loss.add_mtp_losses(model, jnp.zeros((), jnp.float32), {}, x, mb, cfg.z_loss)
 
-  return pipeline.StageFns(first, stage, head, last if with_mtp else None)
+  return pipeline.StageFns(first, stage, head, last if with_mtp else None, quantize)
 
 
 def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_microbatches,

@@ -201,3 +201,40 @@ def _backward(recipe, eqn, residuals, g):
 
 
 quantized_einsum.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def shared_input_einsums(eqns: tuple, gather, x: jax.Array, ws: tuple, weights: tuple) -> tuple:
+  """Tensorwise einsums of one activation x with several weights (q, k and v; gate and up): the
+  numbers of separate quantized_einsum calls, with x quantized (one amax, one cast) and passed
+  to `gather` (a sequence-parallel all-gather) once for all of them instead of once per GEMM.
+  Transformer Engine fuses q, k and v into one GEMM for the same reason. The backward reads the
+  gathered fp8 x for every dw. `weights`: each w's (fp8 w, scale) from quantize_weight, or None.
+  """
+  return _shared_forward(eqns, gather, x, ws, weights)[0]
+
+
+def _shared_forward(eqns, gather, x, ws, weights):
+  gemms = [Gemm.parse(e) for e in eqns]
+  qx = quantize_operand("tensorwise", x, gemms[0], 0, E4M3)  # its scale: any contraction's
+  q = gather(qx.q)
+  qws = tuple(quantize_weight(w) if weight is None else tuple(weight)
+              for w, weight in zip(ws, weights))
+  ys = tuple(keep(scaled_matmul(g, Quantized(q, g.a, qx.scale, ""), Quantized(qw, g.b, sw, ""),
+                                x.dtype)) for g, (qw, sw) in zip(gemms, qws))
+  return ys, (keep((q, qx.scale, qws)), tuple(jnp.zeros((), w.dtype) for w in ws))
+
+
+def _shared_backward(eqns, gather, residuals, gs):
+  (q, sx, qws), w_zeros = residuals
+  dx, dws = None, []
+  for eqn, (qw, sw), g, w_zero in zip(eqns, qws, gs, w_zeros):
+    dx_gemm, dw_gemm = map(Gemm.parse, transposed(eqn))
+    qg = quantize_operand("tensorwise", g, dx_gemm, 0, E5M2)
+    part = scaled_matmul(dx_gemm, qg, Quantized(qw, dx_gemm.b, sw, ""), g.dtype)
+    dx = part if dx is None else dx + part
+    dws.append(scaled_matmul(dw_gemm, Quantized(q, dw_gemm.a, sx, ""), qg, w_zero.dtype))
+  return dx, tuple(dws), None
+
+
+shared_input_einsums.defvjp(_shared_forward, _shared_backward)

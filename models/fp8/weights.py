@@ -68,6 +68,8 @@ def quantize_weights(model) -> dict:
 
 def attach(model, weights: dict) -> None:
   """Hands each projection of `model` (merged inside the differentiated function) its weight
-  from quantize_weights, which the layer scans then slice like the parameters."""
+  from quantize_weights, which the layer scans then slice like the parameters. A projection
+  `weights` leaves out quantizes in each GEMM (a pipeline stage gets only its chunk's)."""
   for path, module in _quantizable(model):
-    module.w_fp8 = Fp8Weight(weights[path])
+    if path in weights:
+      module.w_fp8 = Fp8Weight(weights[path])

@@ -18,23 +18,28 @@ class StageFns:
   """The model cut into pipeline pieces (pure functions of their parameters).
 
   first(shared, microbatch) -> x: the embedding (position 0 of the pipeline).
-  stage(shared, chunk, x, microbatch, present) -> (x, loss_sum, stats, row_stats): one chunk of
-    layers (`chunk`: {stack: weights with a leading layers dim}; `shared` is passed so the model
-    can be rebuilt, its gradient through `stage` is 0; `present`: {stack: the chunk's rows that
-    hold a layer} for padded stacks). Its loss_sum is the chunk's part of the loss (the MoE
-    router losses; 0 for dense layers), stats are summed scalars, row_stats {name: [chunk rows,
-    ...]} are per layer (the experts' loads), both without gradient.
+  stage(shared, chunk, x, microbatch, present, quantized) -> (x, loss_sum, stats, row_stats): one
+    chunk of layers (`chunk`: {stack: weights with a leading layers dim}; `shared` is passed so
+    the model can be rebuilt, its gradient through `stage` is 0; `present`: {stack: the chunk's
+    rows that hold a layer} for padded stacks; `quantized`: the chunk's part of what `quantize`
+    returned, or None). Its loss_sum is the chunk's part of the loss (the MoE router losses; 0
+    for dense layers), stats are summed scalars, row_stats {name: [chunk rows, ...]} are per
+    layer (the experts' loads), both without gradient.
   head(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss of the
     last layer's output; token by token, so it runs on any slice of the sequence (and of the
     microbatch's [b, L] arrays); stats are summed arrays.
   last(shared, x, microbatch) -> (loss_sum, stats), or None: what else runs after the last layer
     on the whole sequence (multi-token prediction), on the last position's stage.
+  quantize(shared, chunk) -> a pytree whose leaves have the chunk's leading layers dim, or None:
+    the chunk's fp8 weights, computed once per step for each of a device's chunks before the
+    ticks (not differentiated; the weights still get their gradients through `stage`).
   """
 
   first: Callable
   stage: Callable
   head: Callable
   last: Callable | None = None
+  quantize: Callable | None = None
 
 
 def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
@@ -154,9 +159,15 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     return jax.lax.dynamic_index_in_dim(a, index, axis=2, keepdims=False)
 
   x = jax.lax.pcast(jnp.zeros(act.shape, act.dtype), manual, to="varying")  # as stages see it
+  # fp8 weights quantized once per step, each chunk where it lives: ticks that quantized their
+  # chunk's weights (an amax pass and a cast per weight, in the forward and again in the
+  # backward's recomputation) took 5% of the 70B TP4 PP8 VP5 program's kernel time.
+  quantized = None if fns.quantize is None else jax.vmap(fns.quantize, in_axes=(None, 0))(
+      shared, local)
   _, _, stage_stats, row_shape = jax.eval_shape(
       fns.stage, shared, jax.tree.map(lambda w: w[0], local), x, first_mb,
-      {k: v[0] for k, v in present.items()})
+      {k: v[0] for k, v in present.items()},
+      jax.tree.map(lambda w: w[0], quantized))
   (_, stats_shape) = jax.eval_shape(fns.head, shared, piece_of(x, 0),
                                     jax.tree.map(lambda a: piece_of(a, 0), first_mb))
   if fns.last is not None:
@@ -208,6 +219,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
+    chunk_quantized = jax.tree.map(lambda w: w[c], quantized)
     rows = {k: v[position] for k, v in present.items()}
     x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
     nothing = vary(jnp.zeros(act.shape, act.dtype))
@@ -217,7 +229,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
 
     def stage(s, p, x):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
-      y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows)
+      y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
       return (y, loss), (stats, row_stats)
 
     def vjps(wrt_params: bool, wrt_x: bool):
@@ -265,7 +277,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
     def forward():  # at the last position its output goes to the head, not to a stage
       x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
-      return no_part, fns.stage(shared, chunk, x_in, mb, rows)[0]
+      return no_part, fns.stage(shared, chunk, x_in, mb, rows, chunk_quantized)[0]
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
