@@ -9,7 +9,7 @@ checkout's sharding/xla/step_time.py, the GPU profile unchanged), and the predic
 kind (gemm, attention, memory) beside the traced kernels' seconds by the same kinds.
 
   python -m benchmarks.gpu_predict --visit benchmarks/results/gpu/visits/2026-11-26{e,d} \
-      benchmarks/results/gpu/visits/2026-11-27{a,c} \
+      benchmarks/results/gpu/visits/2026-11-27{a,c} benchmarks/results/gpu/visits/2026-11-28a \
       [--out benchmarks/results/gpu/predict.jsonl]
 """
 

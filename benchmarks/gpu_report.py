@@ -75,7 +75,7 @@ def smoke_section(lines: list[dict]) -> list[str]:
 
 def _short(value) -> str:
   try:
-    return f"{float(value):.2g}"
+    return f"{float(value):.3g}"
   except (TypeError, ValueError):
     return str(value)[:40]
 

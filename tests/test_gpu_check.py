@@ -253,7 +253,8 @@ def gone(pid: int) -> bool:
 
 
 VISITS = [os.path.join(REPO, "benchmarks", "results", "gpu", "visits", v) for v in (
-    "2026-11-26e", "2026-11-26d", "2026-11-27a", "2026-11-27c")]  # train, fp8, then the moe runs
+    # train, fp8, the moe runs, then the `auto` train step
+    "2026-11-26e", "2026-11-26d", "2026-11-27a", "2026-11-27c", "2026-11-28a")]
 
 
 def test_the_predict_phase_scores_the_programs_compiled_on_the_gpu_here():

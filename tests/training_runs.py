@@ -12,15 +12,17 @@ from trainer.trainer import Trainer
 
 
 def config(steps: int, *, dtype: str = "float32", fp8: bool = False, optimizer: str = "adamw",
-           recipe: str = "delayed", mlp_dim: int = 192):
+           recipe: str = "delayed", mlp_dim: int = 192, xla_options: str = ""):
   """The tiny Llama of tests/test_train.py (2 layers, d 64) on one device, batch 16 x 64; fp8
-  with `recipe` (blockwise needs an mlp_dim of at most 128 or a multiple of 128)."""
+  with `recipe` (blockwise needs an mlp_dim of at most 128 or a multiple of 128); `xla_options`
+  as TrainConfig.xla_options."""
   cfg = llama.debug()
   cfg.model.num_layers, cfg.model.embed_dim, cfg.model.mlp_dim = 2, 64, mlp_dim
   cfg.model.dtype = dtype
   cfg.compute.fp8 = Fp8Config(enabled=fp8, recipe=recipe)
   cfg.optim = dataclasses.replace(cfg.optim, name=optimizer)
   cfg.steps, cfg.batch_size, cfg.seq_len = steps, 16, 64
+  cfg.xla_options = xla_options
   return cfg
 
 
