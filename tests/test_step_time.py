@@ -5,12 +5,16 @@ constants, by the formula the module states.
 """
 
 import dataclasses
+import gzip
 import json
 import os
+import re
+import tarfile
+import tempfile
 
 import pytest
 
-from benchmarks import anchor_plan_compiled
+from benchmarks import anchor_plan_compiled, gpu_train
 from sharding.plan import hardware
 from sharding.xla import hlo, step_time
 
@@ -356,3 +360,38 @@ def test_a_ragged_all_to_all_is_priced_as_an_exchange_not_as_a_kernel():
   for prediction in (node, two):
     assert prediction.compute_s == 0 and prediction.step_s == pytest.approx(
         prediction.communication_s)
+
+
+@pytest.mark.parametrize("cut, rows, d_model, d_hidden, layers, tflops", [
+    ("deepseek_v3_like-4-32", 262144, 7168, 2048, 1, 213), ("qwen3_30b_a3b-4", 262144, 2048, 768,
+                                                            4, 202)])
+def test_the_grouped_matmul_costs_its_flops_at_the_rate_its_gpu_trace_measured(
+    cut, rows, d_model, d_hidden, layers, tflops):
+  """The Pallas grouped matmul's calls in a dropless MoE cut's program compiled on the lent H200
+  (visit 2026-11-27c), each 2 x rows x d_model x d_hidden FLOPs (forward, recomputed forward, dx
+  and dW of gate, up and down: 12 calls per MoE layer), priced at grouped_matmul_fraction; the
+  fraction is these FLOPs over the kernels' time in the same run's trace (profiles.py)."""
+  run = f"cudnn-selective-{cut}-dropless"
+  tar = tarfile.open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "gpu",
+                                  "visits", "2026-11-27c", "artifacts.tgz"))
+  text = gzip.decompress(tar.extractfile(f"./{run}.hlo.txt.gz").read()).decode()
+  h200 = hardware.profile_of_device("NVIDIA H200")
+  grouped = {name for name, path in re.findall(r'%([\w.\-]+) = [^\n]*op_name="([^"]*)"', text)
+             if step_time._GROUPED.search(path)}
+  calls = [o for o in step_time.predict(text, h200, top=100000).top_ops if o["name"] in grouped]
+  assert sum(o["count"] for o in calls) == 12 * layers and {o["kind"] for o in calls} == {"gemm"}
+  assert all(o["flops"] == 2 * rows * d_model * d_hidden for o in calls)
+  flops = sum(o["flops"] * o["count"] for o in calls)
+  assert sum(o["total_s"] for o in calls) == pytest.approx(12 * layers * h200.kernel_overhead_s
+                                                          + flops / (h200.peak_bf16_flops *
+                                                                     h200.grouped_matmul_fraction))
+  trace = next(m for m in tar.getmembers()
+               if m.name.startswith(f"./trace-{run}/") and m.name.endswith(".xplane.pb"))
+  with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as f:
+    f.write(tar.extractfile(trace).read())
+    f.flush()
+    ms_per_step = gpu_train.gpu_op_ms(f.name)[0]
+  traced_s = sum(ms for name, ms in ms_per_step.items() if name.startswith("grouped_matmul")) / 1e3
+  assert flops / traced_s / 1e12 == pytest.approx(tflops, abs=1)
+  assert flops / traced_s / h200.peak_bf16_flops == pytest.approx(
+      h200.grouped_matmul_fraction, rel=0.05)

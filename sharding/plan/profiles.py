@@ -35,6 +35,7 @@ class HardwareProfile:
   gemm_peak_fraction: float = 0.807  # of the peak (bf16, or fp8 for f8 GEMMs) a large GEMM reaches
   flash_triton_fraction: float = 0.35  # of peak, a Triton (Pallas) flash-attention kernel
   flash_cudnn_fraction: float = 0.60  # of peak, cuDNN's fused attention
+  grouped_matmul_fraction: float = 0.21  # of the bf16 peak, our Pallas grouped matmul (MoE)
   copy_bandwidth: float = 3.0e12  # bytes/s read + written by a memory-bound kernel
   kernel_overhead_s: float = 3e-6  # per kernel launch
   nvlink_busbw: float = 460e9  # bus bandwidth of a collective inside a node, bytes/s
@@ -66,6 +67,13 @@ GIB = 2 ** 30
 # - flash_triton_fraction: FlashAttention-2 (the Triton/Pallas kernel's algorithm) reaches 35% of
 #   an H100's bf16 peak (FlashAttention-3, arXiv:2407.08608, abstract). flash_cudnn_fraction:
 #   cuDNN's fused attention about 600 of 989 TFLOP/s at head dim 128 (ibid., Fig. 5), approximate.
+# - grouped_matmul_fraction: the Pallas grouped-matmul kernels (kernels/grouped_matmul.py) in the
+#   traces of the dropless MoE cuts on the lent H200 (benchmarks/results/gpu/visits/2026-11-27c:
+#   each cut's trace and GPU program): 12 calls a step, forward, recomputed forward, dx and dW of
+#   three projections. DeepSeek-V3 cut 9.24e13 FLOPs in 433.4 ms (213 TFLOP/s, 0.215 of 989.4),
+#   Qwen3 cut 3.96e13 in 196.3 ms (202 TFLOP/s, 0.204): 0.21 (tests/test_step_time.py
+#   recomputes both). A100/B200: that fraction of their peak, not measured. The fp8 variant
+#   (Triton's f8 dot) is priced at the bf16 rate: not measured.
 # - copy_bandwidth: a device-to-device copy moved 3.0 TB/s (read + write) on this workplace's
 #   H100 and 4.3 TB/s on its H200 (device machine notes); A100/B200: 90% of the data sheet.
 # - kernel_overhead_s: ~2.5 us of dispatch per kernel (a 24 us kernel took 25.8 us from a CUDA

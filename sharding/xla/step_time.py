@@ -11,7 +11,8 @@ blocks the compute stream.
   FLOPs of the dots it holds (fusions, nested fusions) or of a cuBLAS GEMM call (from its
   contracting dims), at the fp8 peak for a GEMM on f8 operands; the flash-attention Triton
   kernels by name (forward 2 matmuls, dQ 3, dK/dV 4, each 2·B·H·L²·d halved for the causal
-  mask) at the flash fraction. Bytes: operands read and
+  mask) at the flash fraction; the Pallas grouped matmul (dropless MoE) by name, 2·M·K·N over
+  its buffer's rows, at the grouped-matmul fraction. Bytes: operands read and
   results written, where an operand only sliced (dynamic-slice, gather) counts its slices and an
   in-place dynamic-update-slice its update, also through bitcasts (views, which move nothing).
 - A collective costs its ring wire bytes (hlo.Collective.wire_bytes) over the bus bandwidth of
@@ -37,6 +38,8 @@ _GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)
 _OP_NAME = re.compile(r'%([\w.\-]+) = .*?op_name="([^"]*)"')
 _FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)")
 _FLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+# The Pallas grouped matmul of dropless MoE (kernels/grouped_matmul.py): rows x weights, and dW.
+_GROUPED = re.compile(r"/grouped_matmul(?:_fp8)?(_dw)?/pallas_call")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 
@@ -111,6 +114,10 @@ class _Walk:
         per_matmul = 2.0 * b * heads * length * length * head_dim / 2  # causal: half the scores
         return (_FLASH_MATMULS[flash.group(1)] * per_matmul, p.flash_triton_fraction,
                 "attention")
+    grouped = _GROUPED.search(self.op_names.get(ins.name, ""))
+    if ins.op == "custom-call" and grouped:
+      return grouped_matmul_flops(ins, types, bool(grouped.group(1))), \
+          p.grouped_matmul_fraction, "gemm"
     if ins.op == "custom-call" and "cudnn" in ins.attrs and "fmha" in ins.attrs.lower():
       shapes = [s for _, s in hlo.arrays(types.get((hlo.operands(ins) or [""])[0], ""))]
       if shapes and len(shapes[0]) == 4:
@@ -281,6 +288,25 @@ class _Walk:
         compute_free += seconds
         kernels += seconds
     return max(compute_free, comm_free), kernels
+
+
+def grouped_matmul_flops(ins: hlo.Instr, types: dict, weight_grad: bool) -> float:
+  """2·M·K·N of a grouped matmul call over its buffer's M rows (the rows it may hold; the kernel
+  skips the tiles past its groups, so under a padded exchange buffer this is an upper bound).
+  Rows x weights: out [M, N], weights [E, K, N]; dW: out [E, K, N], rows [M, K]."""
+  out = hlo.arrays(ins.type)
+  shapes = [s for o in hlo.operands(ins) for _, s in hlo.arrays(types.get(o, ""))[:1]]
+  if not out:
+    return 0.0
+  if weight_grad and len(out[0][1]) == 3:
+    _, k, n = out[0][1]
+    rows = [s[0] for s in shapes if len(s) == 2 and s[1] == k]
+    return 2.0 * rows[0] * k * n if rows else 0.0
+  if len(out[0][1]) == 2:
+    m, n = out[0][1]
+    weights = [s for s in shapes if len(s) == 3 and s[2] == n]
+    return 2.0 * m * weights[0][1] * n if weights else 0.0
+  return 0.0
 
 
 def first_group(attrs: str) -> list[int] | None:
