@@ -27,6 +27,7 @@ class MoESpec:
   expert_mlp_dim: int
   shared_experts: int = 0  # always-active experts of the same size (DeepSeek style)
   dense_layers: int = 0
+  dispatch: str = "dropping"  # models.config's; dropless runs our grouped matmul on GPUs
 
 
 def attention_span(seq_len: int, window: int = 0, full_every: int = 0) -> float:
@@ -87,10 +88,11 @@ class ModelSpec:
     """The fraction of MoE layers (per-layer figures below are means over the layers)."""
     return (self.num_layers - self.moe.dense_layers) / self.num_layers
 
-  def expert_params(self) -> float:
-    """All routed experts of a layer, on average over the layers (0 for a dense model)."""
+  def expert_params(self, per_token: bool = False) -> float:
+    """A layer's routed experts (`per_token`: the top-k a token uses), mean over the layers."""
     m = self.moe
-    return m.num_experts * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() if m else 0
+    return ((m.experts_per_token if per_token else m.num_experts) * 3 * self.embed_dim *
+            m.expert_mlp_dim * self.moe_share()) if m else 0
 
   def dense_mlp_params(self) -> float:
     """MLP weights every token uses (mean over layers): SwiGLU, or shared experts + router."""
@@ -129,9 +131,7 @@ class ModelSpec:
   def active_matmul_params(self) -> int:
     """Matmul weights one token passes through (experts: top-k only), head included."""
     m = self.moe
-    routed = m.experts_per_token * 3 * self.embed_dim * m.expert_mlp_dim * self.moe_share() \
-        if m else 0
-    per_layer = self.attention_params() + self.dense_mlp_params() + routed
+    per_layer = self.attention_params() + self.dense_mlp_params() + self.expert_params(True)
     mtp = self.mtp_block(m.experts_per_token if m else None)[0] + 2 * self.embed_dim ** 2
     mtp = self.mtp_depth * (mtp + self.vocab_size * self.embed_dim)  # block, projection, head
     return self.num_layers * per_layer + self.vocab_size * self.embed_dim + mtp
@@ -165,7 +165,7 @@ def model_spec(model, compute=None) -> ModelSpec:
     moe = MoESpec(moe.num_experts, getattr(moe, "experts_per_token", None) or moe.top_k,
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
                   getattr(moe, "shared_experts", 0) if shared is None else shared,
-                  getattr(moe, "first_dense_layers", 0))
+                  getattr(moe, "first_dense_layers", 0), getattr(moe, "dispatch", "dropping"))
   # Compute settings from `compute` (a ComputeConfig by field names; None: its defaults). "auto"
   # is flash: GPUs are what the estimator plans for (a CPU run passes its resolved impl).
   impl = getattr(compute, "attention_impl", "auto")

@@ -173,6 +173,17 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
 # ---- how long a step takes ----
 
 
+def exchange_seconds(c: Collective, per_node: int, hw: HardwareProfile) -> float:
+  """The MoE token exchange across nodes: an all-to-all has no ring to spread over a node's NICs,
+  so the rows for peers in other nodes leave through each GPU's own NIC, its node's rows over
+  NVLink meanwhile (the compiled-program model's rule for the ragged exchange,
+  sharding/xla/step_time.py). One latency per exchange."""
+  buffer, n = c.count * c.payload, c.group
+  network = buffer * (n - per_node) / n / (hw.inter_node_bandwidth * hw.collective_efficiency)
+  nvlink = buffer * (per_node - 1) / n / (hw.intra_node_bandwidth * hw.collective_efficiency)
+  return max(network, nvlink) + c.count * hw.inter_latency_s
+
+
 def hardware_flops_per_device(model, layout: Layout, seq_len: int,
                               stages_recompute: bool = True) -> float:
   """FLOPs one device executes per step: its share of 6 x active params x tokens and attention
@@ -205,6 +216,16 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   linear = layers * passes * per_layer
   rest = layers * (attention + scores) + head * m.vocab_size * m.embed_dim
   return share * linear, share * rest
+
+
+def grouped_share(model) -> float:
+  """The share of the layers' linear FLOPs that run on the grouped matmul: the routed experts'
+  under dropless dispatch (dropping dispatch runs dense GEMMs over capacity buffers), else 0."""
+  m = model_spec(model)
+  if not m.moe or m.moe.dispatch != "dropless":
+    return 0.0
+  per_layer = m.active_matmul_params() - m.vocab_size * m.embed_dim
+  return m.num_layers * m.expert_params(per_token=True) / per_layer
 
 
 def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, int]:
@@ -247,7 +268,12 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
   linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
-  compute = (linear / linear_peak + rest / peak) / hw.matmul_efficiency + \
+  routed = linear * grouped_share(m)
+  # Dropless MoE runs its routed experts on our Pallas grouped matmul, which reaches
+  # grouped_matmul_fraction of the bf16 peak where dense GEMMs reach gemm_peak_fraction (both
+  # measured, profiles.py): their matmuls take that much longer than the efficiency's dense ones.
+  compute = ((linear - routed) / linear_peak + rest / peak + routed / peak * (
+      hw.gemm_peak_fraction / hw.grouped_matmul_fraction)) / hw.matmul_efficiency + \
       passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
@@ -263,6 +289,8 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     latency = hw.intra_latency_s if inside else (
         hw.pipeline_hop_s if c.phase == "pipeline" else hw.inter_latency_s)
     t = c.wire_bytes / bw + c.ring_steps * latency
+    if c.kind == "all-to-all" and c.phase == "expert" and not inside:
+      t = exchange_seconds(c, per_node, hw)
     comm[c.phase] = comm.get(c.phase, 0.0) + t
     o = hw.overlap_of(c.phase)
     hidden += o * t
