@@ -39,7 +39,7 @@ _OP_NAME = re.compile(r'%([\w.\-]+) = .*?op_name="([^"]*)"')
 _FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)")
 _FLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 # The Pallas grouped matmul of dropless MoE (kernels/grouped_matmul.py): rows x weights, and dW.
-_GROUPED = re.compile(r"/grouped_matmul(?:_fp8)?(_dw)?/pallas_call")
+GROUPED_MATMUL = re.compile(r"/grouped_matmul(?:_fp8)?(_dw)?/pallas_call")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 
@@ -114,7 +114,7 @@ class _Walk:
         per_matmul = 2.0 * b * heads * length * length * head_dim / 2  # causal: half the scores
         return (_FLASH_MATMULS[flash.group(1)] * per_matmul, p.flash_triton_fraction,
                 "attention")
-    grouped = _GROUPED.search(self.op_names.get(ins.name, ""))
+    grouped = GROUPED_MATMUL.search(self.op_names.get(ins.name, ""))
     if ins.op == "custom-call" and grouped:
       return grouped_matmul_flops(ins, types, bool(grouped.group(1))), \
           p.grouped_matmul_fraction, "gemm"
