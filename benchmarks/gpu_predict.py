@@ -40,8 +40,8 @@ def traced_kinds(ms_per_step: dict) -> dict:
   return {k: round(v, 4) for k, v in out.items()}
 
 
-def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
-  """Seconds per step by kind of every GPU op in the trace (gpu_train.gpu_op_ms)."""
+def trace_ms_per_step(tar: tarfile.TarFile, member_prefix: str) -> dict:
+  """Milliseconds per step of each GPU op in the tarred trace (gpu_train.gpu_op_ms); {} if none."""
   from benchmarks import gpu_train
   members = [m for m in tar.getmembers()
              if m.name.startswith(member_prefix) and m.name.endswith(".xplane.pb")]
@@ -50,7 +50,13 @@ def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
   with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as f:
     f.write(tar.extractfile(members[0]).read())
     f.flush()
-    return traced_kinds(gpu_train.gpu_op_ms(f.name)[0])
+    return gpu_train.gpu_op_ms(f.name)[0]
+
+
+def trace_seconds_by_kind(tar: tarfile.TarFile, member_prefix: str) -> dict:
+  """Seconds per step by kind of every GPU op in the trace."""
+  ms_per_step = trace_ms_per_step(tar, member_prefix)
+  return traced_kinds(ms_per_step) if ms_per_step else {}
 
 
 def run_settings(phase: str, row: dict) -> dict:

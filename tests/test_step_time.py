@@ -10,11 +10,10 @@ import json
 import os
 import re
 import tarfile
-import tempfile
 
 import pytest
 
-from benchmarks import anchor_plan_compiled, gpu_train
+from benchmarks import anchor_plan_compiled, gpu_predict
 from sharding.plan import hardware
 from sharding.xla import hlo, step_time
 
@@ -385,12 +384,7 @@ def test_the_grouped_matmul_costs_its_flops_at_the_rate_its_gpu_trace_measured(
   assert sum(o["total_s"] for o in calls) == pytest.approx(12 * layers * h200.kernel_overhead_s
                                                           + flops / (h200.peak_bf16_flops *
                                                                      h200.grouped_matmul_fraction))
-  trace = next(m for m in tar.getmembers()
-               if m.name.startswith(f"./trace-{run}/") and m.name.endswith(".xplane.pb"))
-  with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as f:
-    f.write(tar.extractfile(trace).read())
-    f.flush()
-    ms_per_step = gpu_train.gpu_op_ms(f.name)[0]
+  ms_per_step = gpu_predict.trace_ms_per_step(tar, f"./trace-{run}/")
   traced_s = sum(ms for name, ms in ms_per_step.items() if name.startswith("grouped_matmul")) / 1e3
   assert flops / traced_s / 1e12 == pytest.approx(tflops, abs=1)
   assert flops / traced_s / h200.peak_bf16_flops == pytest.approx(

@@ -288,9 +288,10 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     bw = (hw.intra_node_bandwidth if inside else link) * hw.collective_efficiency
     latency = hw.intra_latency_s if inside else (
         hw.pipeline_hop_s if c.phase == "pipeline" else hw.inter_latency_s)
-    t = c.wire_bytes / bw + c.ring_steps * latency
     if c.kind == "all-to-all" and c.phase == "expert" and not inside:
       t = exchange_seconds(c, per_node, hw)
+    else:
+      t = c.wire_bytes / bw + c.ring_steps * latency
     comm[c.phase] = comm.get(c.phase, 0.0) + t
     o = hw.overlap_of(c.phase)
     hidden += o * t
