@@ -23,7 +23,7 @@ train: $(STAMP)
 TEST_WORKERS ?= 2
 # Under the trainer's malloc settings (trainer/process/host_memory.py), like `meshtron` runs.
 test: $(STAMP)
-	$(BIN)/python -m trainer.process.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m trainer.process.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m trainer.process.host_memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m ''

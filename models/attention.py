@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
     # One gather for q, k and v (models/layers.py): in fp8 when tensorwise, else in bf16 for
     # layers that recompute.
-    q, k, v = project_shared((self.q, self.k, self.v),
+    q, k, v = project_shared(self.layout, (self.q, self.k, self.v),
                              ("BLD,DHd->BLHd", "BLD,DKd->BLKd", "BLD,DKd->BLKd"),
                              (Q_NAMES, KV_NAMES, KV_NAMES), x_BLD, self.remat != "none")
     if self.q_norm is not None:  # QK-norm (Qwen3), per head over the head dim

@@ -1,5 +1,6 @@
 """The only Flax-touching building blocks: parameters with logical names, projections, norms."""
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -8,7 +9,7 @@ from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import quantized_einsum, shared_input_einsums
-from sharding import constrain, embedding_lookup
+from sharding import constrain, embedding_lookup, logical_sum_reduce_scatter
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
@@ -29,14 +30,15 @@ def gather_sequence(x_BLD: jax.Array, dtype) -> jax.Array:
   return constrain(constrain(x_BLD.astype(dtype), RESIDUAL), GATHERED)
 
 
-def project_shared(einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: Sequence,
+def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: Sequence,
                    x_BLD: jax.Array, gather_once: bool) -> tuple:
   """`einsums[i](eqns[i], x_BLD)`, constrained to `out_names[i]`, for projections that read one
   input (q, k and v; gate and up).
   With tensorwise fp8 in all of them and the tokens split (sequence or context parallelism), x
   is quantized and, under sequence parallelism, gathered once, in fp8, for all of them (models/fp8/current.py,
   shared_input_einsums): quantized per GEMM, XLA gathered each GEMM's fp8 copy of the input for
-  it, forward and backward (the 70B TP4 PP8 recipe: 10 gathers per two layers where 4 do).
+  it, forward and backward (the 70B TP4 PP8 recipe: 10 gathers per two layers where 4 do). x's
+  gradient is reduce-scattered once too (reduce_input_gradient).
   Where nothing is gathered, grouping only saves amax and cast passes, and on the
   Megatron-Bridge 8B FP8 FSDP recipe it cost memory: 59.4 -> 65.5 GiB, XLA then recomputing
   GEMMs to fit (12,193 -> 10,864 predicted tok/s/GPU); not traced further, so each GEMM
@@ -46,7 +48,8 @@ def project_shared(einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: 
     weights = tuple(tuple(e.w_fp8.get_value()[:2]) if hasattr(e, "w_fp8") else None
                     for e in einsums)
     dtype = einsums[0].dtype
-    ys = shared_input_einsums(tuple(eqns), _gathered, x_BLD.astype(dtype),
+    sum_dx = functools.partial(reduce_input_gradient, layout, tuple(eqns), tuple(out_names))
+    ys = shared_input_einsums(tuple(eqns), gather_fp8_input, sum_dx, x_BLD.astype(dtype),
                               tuple(e.w[...].astype(e.dtype) for e in einsums), weights)
     return tuple(constrain(y, names) for y, names in zip(ys, out_names))
   if gather_once:
@@ -54,7 +57,21 @@ def project_shared(einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: 
   return tuple(constrain(e(eqn, x_BLD), names) for e, eqn, names in zip(einsums, eqns, out_names))
 
 
-def _gathered(x_BLD: jax.Array) -> jax.Array:  # a module-level function: a stable static arg
+def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.Array:
+  """x's gradient in shared_input_einsums: its GEMMs' dx terms summed on each device and
+  reduce-scattered once to the residual's layout. Reduced per GEMM, as XLA placed it, q, k and v
+  took 3 reduce-scatters and gate and up 2 (the 70B TP4 PP8 recipe's largest collective)."""
+  names = []
+  for eqn, out in zip(eqns, out_names):
+    (x_letters, w_letters), out_letters = eqn.split("->")[0].split(","), eqn.split("->")[1]
+    by_letter = dict(zip(x_letters, GATHERED)) | dict(zip(out_letters, out))
+    names.append((out, (), tuple(by_letter[c] for c in w_letters), ()))
+  return logical_sum_reduce_scatter(layout, terms, names, GATHERED, RESIDUAL, "projection dx")
+
+
+def gather_fp8_input(x_BLD: jax.Array) -> jax.Array:
+  """The all-gather shared_input_einsums applies to the fp8 input (a module-level function: a
+  stable static argument)."""
   # Quantized where it lies (RESIDUAL), or XLA gathers the float32 x * scale before the cast.
   return constrain(constrain(x_BLD, RESIDUAL), GATHERED)
 

@@ -31,7 +31,7 @@ class MLP(nnx.Module):
       return self._collective(x_BLD)
     # One gather for gate and up (models/layers.py): in fp8 when tensorwise, else in bf16 for
     # layers that recompute.
-    gate, up = project_shared((self.gate, self.up), ("BLD,DF->BLF", "BLD,DF->BLF"),
+    gate, up = project_shared(self.layout, (self.gate, self.up), ("BLD,DF->BLF", "BLD,DF->BLF"),
                               (HIDDEN, HIDDEN), x_BLD, self.remat != "none")
     hidden = jax.nn.silu(gate) * up
     # Its gradient gathered once for both of down's backward dots (models/layers.py GATHERED).

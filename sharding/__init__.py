@@ -2,7 +2,8 @@
 its resolution, the sharding scope (constrain() and state shardings), and the collectives that
 take the layout. The analysis rooms are sharding.plan and sharding.xla."""
 
-from sharding.collective_matmul import logical_all_gather_matmul, logical_matmul_reduce_scatter
+from sharding.collective_matmul import (logical_all_gather_matmul, logical_matmul_reduce_scatter,
+                                         logical_sum_reduce_scatter)
 from sharding.context_parallel import context_attention, zigzag
 from sharding.expert import dropless_experts
 from sharding.layout import Layout
@@ -22,8 +23,9 @@ __all__ = [
     "context_attention", "DEFAULT_RULES", "dropless_experts", "embedding_lookup",
     "excluding", "is_names", "Layout", "layout_of", "layout_rules",
     "LayoutError", "local_layout", "logical_all_gather_matmul", "logical_matmul_reduce_scatter",
-    "logical_to_spec", "lookup_moves_rows", "make_mesh", "mesh_sizes", "MeshConfig",
-    "named_sharding", "parse_overrides", "record_constraints", "replicated", "resolve",
-    "resolve_sizes", "role_rules", "shard_map_logical", "spec", "split_across_hosts",
-    "split_vocab_over_fsdp", "tree_shardings", "use_rules", "with_overrides", "zigzag",
+    "logical_sum_reduce_scatter", "logical_to_spec", "lookup_moves_rows", "make_mesh",
+    "mesh_sizes", "MeshConfig", "named_sharding", "parse_overrides", "record_constraints",
+    "replicated", "resolve", "resolve_sizes", "role_rules", "shard_map_logical", "spec",
+    "split_across_hosts", "split_vocab_over_fsdp", "tree_shardings", "use_rules",
+    "with_overrides", "zigzag",
 ]

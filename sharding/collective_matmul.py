@@ -1,6 +1,8 @@
 """Collective matmul for tensor/sequence parallelism: ppermute steps that overlap the matmuls."""
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -195,3 +197,67 @@ def logical_matmul_reduce_scatter(layout, x: jax.Array, w: jax.Array, x_names: N
   ("batch", "res_seq", "act_embed").
   """
   return _run(layout, "scatter", x, w, x_names, out_names, contract, "matmul_reduce_scatter")
+
+
+def logical_sum_reduce_scatter(layout, terms: Sequence[tuple[Callable, tuple]],
+                               names: Sequence[Sequence[Names]], summed_names: Names,
+                               out_names: Names, what: str = "sum_reduce_scatter") -> jax.Array:
+  """`sum(fn(*args) for fn, args in terms)`, where each term contracts dims split over the mesh
+  axis by which `out_names` splits one dim more than `summed_names` (sequence parallelism: a
+  projection input's gradient, ("batch", "seq", ...) summed, `res_seq` over `tensor` scattered),
+  with the terms' partial sums added on each device and reduced by one psum_scatter.
+  XLA reduces each term's product where the dot is, before the sum, and can merge those
+  reductions only when nothing lies between them and the sum; fp8 GEMMs divide their product by
+  the scales, so q, k and v's input gradient took 3 reduce-scatters where 1 does (and gate and
+  up's 2). Without a mesh, without such an axis, or when a term's contraction is split otherwise
+  (kv heads whole on each device), it is the plain sum, partitioned by XLA.
+
+  Args:
+    layout: the run's sharding.Layout (its mesh, and whether this runs in a pipeline stage).
+    terms: (per-device function, its array arguments) pairs; each function is an einsum-like
+      map whose global result shape its global arguments give.
+    names: per term, the logical names of each argument (() for a scalar).
+    summed_names: logical names of the sum as XLA would hold it reduced (not scattered).
+    out_names: logical names of the result.
+  """
+  def plain():
+    return _added(fn(*args) for fn, args in terms)
+
+  if layout.mesh is None:
+    return plain()
+  shape = jax.eval_shape(plain).shape
+  summed = [entry_axes(e) for e in _padded(spec(summed_names, shape, f"{what} sum"), len(shape))]
+  out_spec = spec(out_names, shape, f"{what} output")
+  out = [entry_axes(e) for e in _padded(out_spec, len(shape))]
+  try:
+    found = [(d, axis) for d in range(len(shape))
+             if (axis := _collective_axis(out[d], summed[d], f"{what} dim {d}")) is not None]
+  except LayoutError:  # split differently, not by one more axis: XLA partitions the plain sum
+    return plain()
+  if len(found) != 1:
+    return plain()
+  dim, axis = found[0]
+  kept = {a for axes in summed for a in axes}
+  in_specs = []
+  for (_, args), arg_names in zip(terms, names):
+    specs = [spec(n, arg.shape, f"{what} argument") for arg, n in zip(args, arg_names)]
+    split = {a for s in specs for e in tuple(s) for a in entry_axes(e)}
+    if split - kept != {axis}:  # this term's products are not partial sums over `axis`
+      return plain()
+    in_specs.append(tuple(specs))
+
+  def per_device(*groups):
+    total = _added(fn(*args) for (fn, _), args in zip(terms, groups))
+    return jax.lax.psum_scatter(total, axis, scatter_dimension=dim, tiled=True)
+
+  mesh = layout.stage_mesh() if layout.in_pipeline_stage else layout.mesh
+  return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs),
+                       out_specs=out_spec)(*(tuple(args) for _, args in terms))
+
+
+def _added(values) -> jax.Array:
+  return functools.reduce(operator.add, values)  # in order: ((a + b) + c)
+
+
+def _padded(partition_spec, ndim: int) -> tuple:
+  return tuple(partition_spec) + (None,) * (ndim - len(tuple(partition_spec)))

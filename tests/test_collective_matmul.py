@@ -189,3 +189,58 @@ def test_xla_alone_leaves_the_same_block_exposed():
   assert sorted(c.kind for c in cols) == ["all-gather", "reduce-scatter"]
   windows = overlap.windows(text)
   assert all(windows[c.name].compute_ops == 0 for c in cols)
+
+
+HEADS = ("batch", "seq", "act_heads", "head_dim")
+SUMMED = ("batch", "seq", "act_embed")  # a projection input's gradient before the scatter
+
+
+def dx_terms(heads_names=HEADS):
+  """q-shaped and MLP-shaped input-gradient terms, g . w^T, as the fp8 projections form them."""
+  gq, wq, gh, wh = arrays((4, 32, 8, 4), (16, 8, 4), (4, 32, 24), (16, 24))
+  terms = [(functools.partial(jnp.einsum, "BLHd,DHd->BLD"), (gq, wq)),
+           (functools.partial(jnp.einsum, "BLF,DF->BLD"), (gh, wh))]
+  names = [(heads_names, ("act_embed", *heads_names[2:])), (MLP, ("act_embed", "act_mlp"))]
+  return terms, names
+
+
+def reductions(text: str) -> dict:
+  counts = {}
+  for c in hlo.collectives(text):
+    if c.kind in ("all-reduce", "reduce-scatter") and len(c.shape) == 3:
+      counts[c.kind] = counts.get(c.kind, 0) + c.count * c.arrays
+  return counts
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, tensor=4), dict(tensor=2, context=2, data=2)])
+def test_summed_terms_are_reduce_scattered_once(mesh):
+  """logical_sum_reduce_scatter equals the plain sum XLA partitions, and reduces the two terms'
+  partial sums in one reduce-scatter where XLA reduces each term (2 reductions)."""
+  terms, names = dx_terms()
+  layout = layout_of(**mesh)
+  with layout.scope():
+    shardings = [[sharding.named_sharding(n, a.shape) for a, n in zip(args, ns)]
+                 for (_, args), ns in zip(terms, names)]
+    args = [tuple(jax.device_put(a, s) for a, s in zip(args, ss))
+            for (_, args), ss in zip(terms, shardings)]
+    fns = [fn for fn, _ in terms]
+    once = jax.jit(lambda args: cm.logical_sum_reduce_scatter(
+        layout, list(zip(fns, args)), names, SUMMED, RES))
+    xla = jax.jit(lambda args: sharding.constrain(
+        sum(fn(*a) for fn, a in zip(fns, args)), RES))
+    np.testing.assert_allclose(once(args), xla(args), **TOL)
+    assert reductions(once.lower(args).compile().as_text()) == {"reduce-scatter": 1}
+    assert sum(reductions(xla.lower(args).compile().as_text()).values()) == 2
+
+
+def test_terms_it_cannot_sum_locally_are_the_plain_sum():
+  """Without sequence parallelism nothing is scattered, and a term whose heads are whole on each
+  device is no partial sum: both are XLA's plain sum (no reduce-scatter of ours), equal to it."""
+  for layout, heads in ((layout_of(sequence_parallel=False, data=2, tensor=4), HEADS),
+                        (layout_of(data=2, tensor=4), ("batch", "seq", None, "head_dim"))):
+    terms, names = dx_terms(heads)
+    with layout.scope():
+      got = jax.jit(lambda: cm.logical_sum_reduce_scatter(layout, terms, names, SUMMED, RES))
+      want = sum(fn(*args) for fn, args in terms)
+      np.testing.assert_allclose(got(), want, **TOL)
+      assert "shard_map" not in str(got.trace().jaxpr)

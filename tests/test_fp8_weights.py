@@ -6,6 +6,7 @@ very array the GEMM would have computed, and everything after it is the same pro
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,14 @@ from configs import llama
 from models import ComputeConfig, builder
 from models.fp8.config import Fp8Config
 from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
-from models.fp8.current import (quantize_weight as tensorwise_weight, quantized_einsum,
+from models.fp8.current import (quantize_weight as tensorwise_weight, quantized_einsum, sum_terms,
                                 shared_input_einsums)
 from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights
-from sharding import Layout, MeshConfig
+from models.layers import GATHERED, RESIDUAL, gather_fp8_input, reduce_input_gradient
+from sharding import Layout, MeshConfig, constrain, named_sharding
 from sharding.xla import hlo
 from tests import parallel_harness as harness
+from tests.test_collective_matmul import layout_of, reductions
 from trainer.config import StepConfig
 from trainer.step import make_grads_fn, make_loss_sums
 from trainer.trainer import Trainer
@@ -174,8 +177,8 @@ def test_projections_of_one_input_give_the_separate_gemms_numbers(operands, befo
   eqns = ("BLD,DHd->BLHd", "BLD,DKd->BLKd", "BLD,DKd->BLKd")
   weights = tuple(tensorwise_weight(w) if beforehand else None for w in ws)
   cs = tuple(jnp.asarray(rng.normal(size=(2, 5, w.shape[1], 8)) * 1e-3, jnp.bfloat16) for w in ws)
-  ys, pullback = jax.vjp(lambda x, *ws: shared_input_einsums(eqns, lambda q: q, x, ws, weights),
-                         x, *ws)
+  ys, pullback = jax.vjp(
+      lambda x, *ws: shared_input_einsums(eqns, lambda q: q, sum_terms, x, ws, weights), x, *ws)
   dx, *dws = pullback(cs)
   dx_sum = None
   for eqn, w, weight, c, y, dw in zip(eqns, ws, weights, cs, ys, dws):
@@ -194,7 +197,9 @@ def test_tensor_parallel_projections_gather_their_fp8_input_once():
   of the fp8 input for q, k and v and one for gate and up per layer, in the forward; the
   backward's dw GEMMs read the gathered copy. Quantized in each GEMM, XLA gathered each GEMM's
   fp8 copy for it, forward and backward: 20 gathers (the 70B TP4 PP8 VP5 recipe's fp8 gathers
-  went from 2.4 TB to 0.55 TB a step, docs/planning.md)."""
+  went from 2.4 TB to 0.55 TB a step, docs/planning.md).
+  The input's gradient is reduced once for q, k and v and once for gate and up (a
+  reduce-scatter each); reduced per GEMM, it took 5 reductions per layer where 2 do."""
   model = dataclasses.replace(harness.MODEL, head_dim=16, mlp_dim=256, dtype="bfloat16")
   compute = dataclasses.replace(harness.COMPUTE, fp8=Fp8Config(enabled=True, recipe="tensorwise"))
   cfg = harness.config(MeshConfig(data=2, tensor=4, sequence_parallel=True), model=model,
@@ -209,3 +214,47 @@ def test_tensor_parallel_projections_gather_their_fp8_input_once():
   fp8 = [c for c in hlo.collectives(text) if c.kind == "all-gather" and c.shape == activation
          and c.dtype in ("f8e4m3fn", "f16")]
   assert sum(c.count * c.arrays for c in fp8) == 2 * model.num_layers, fp8
+  # XLA:CPU keeps its own reduce-scatters as an all-reduce of the whole activation.
+  shard = (rows, harness.SEQ // 4, model.embed_dim)
+  reductions = {kind: sum(c.count * c.arrays for c in hlo.collectives(text) if c.kind == kind
+                          and c.shape == shape) for kind, shape in
+                (("all-reduce", activation), ("reduce-scatter", shard))}
+  # Per layer: the forward's o and down, the backward's 2 input gradients; the embedding lookup
+  # and the head's dx.
+  assert reductions == {"all-reduce": 2 * model.num_layers + 2,
+                        "reduce-scatter": 2 * model.num_layers}, reductions
+
+
+def test_sequence_parallel_projections_reduce_their_input_gradient_once():
+  """q, k and v under tensor=4 with sequence parallelism, float32 operands: the outputs, dx and
+  the dws equal one device's (dx adds the same products in another order), and the program
+  reduce-scatters dx once, which XLA does not do with the plain sum (sum_terms). The model's
+  count of reductions is test_tensor_parallel_projections_gather_their_fp8_input_once's."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(4, 32, 16)), jnp.float32)
+  ws = tuple(jnp.asarray(rng.normal(size=(16, 4, 8)) * 0.1, jnp.float32) for _ in range(3))
+  eqns = ("BLD,DHd->BLHd",) * 3
+  heads = ("batch", "seq", "act_heads", "head_dim")
+  cs = tuple(jnp.asarray(rng.normal(size=(4, 32, 4, 8)) * 1e-3, jnp.float32) for _ in ws)
+  layout = layout_of(data=2, tensor=4)
+  assert GATHERED != RESIDUAL  # the gather and the scatter are over `tensor`
+
+  def step(sum_dx):
+    def loss(x, ws, cs):
+      ys = shared_input_einsums(eqns, gather_fp8_input, sum_dx, x, ws, (None,) * 3)
+      ys = tuple(constrain(y, heads) for y in ys)  # as the attention's q, k and v
+      return sum(jnp.sum(y * c) for y, c in zip(ys, cs)), ys
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+  want = step(sum_terms)(x, ws, cs)
+  once = step(functools.partial(reduce_input_gradient, layout, eqns, (heads,) * 3))
+  with layout.scope():
+    # As in the model: x sequence-split, the output gradients split by heads.
+    args = (jax.device_put(x, named_sharding(RESIDUAL, x.shape)), ws,
+            tuple(jax.device_put(c, named_sharding(heads, c.shape)) for c in cs))
+    got = once(*args)
+    per_gemm = step(sum_terms).lower(*args).compile().as_text()
+    assert reductions(once.lower(*args).compile().as_text()) == {"reduce-scatter": 1}
+  assert "reduce-scatter" not in reductions(per_gemm)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)

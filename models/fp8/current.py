@@ -30,6 +30,7 @@ fsdp=4 x tensor=2 projections: 5 to 8 all-gathers for forward and backward, tens
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -203,18 +204,28 @@ def _backward(recipe, eqn, residuals, g):
 quantized_einsum.defvjp(_forward, _backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def shared_input_einsums(eqns: tuple, gather, x: jax.Array, ws: tuple, weights: tuple) -> tuple:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def shared_input_einsums(eqns: tuple, gather, sum_dx, x: jax.Array, ws: tuple,
+                         weights: tuple) -> tuple:
   """Tensorwise einsums of one activation x with several weights (q, k and v; gate and up): the
   numbers of separate quantized_einsum calls, with x quantized (one amax, one cast) and passed
   to `gather` (a sequence-parallel all-gather) once for all of them instead of once per GEMM.
   Transformer Engine fuses q, k and v into one GEMM for the same reason. The backward reads the
   gathered fp8 x for every dw. `weights`: each w's (fp8 w, scale) from quantize_weight, or None.
+  `sum_dx(terms)`: x's gradient from its GEMMs' dx terms, (function, arguments) pairs to call
+  and add in order (sum_terms); sequence parallelism adds them before reducing them once
+  (sharding.logical_sum_reduce_scatter). The arguments of GEMM i's term: its output gradient in
+  e5m2 and that one's scale (its letters: eqn i's output), its fp8 weight and that one's scale.
   """
-  return _shared_forward(eqns, gather, x, ws, weights)[0]
+  return _shared_forward(eqns, gather, sum_dx, x, ws, weights)[0]
 
 
-def _shared_forward(eqns, gather, x, ws, weights):
+def sum_terms(terms) -> jax.Array:
+  """The dx terms of shared_input_einsums, added in order on one device: ((a + b) + c)."""
+  return functools.reduce(operator.add, (fn(*args) for fn, args in terms))
+
+
+def _shared_forward(eqns, gather, sum_dx, x, ws, weights):
   gemms = [Gemm.parse(e) for e in eqns]
   qx = quantize_operand("tensorwise", x, gemms[0], 0, E4M3)  # its scale: any contraction's
   q = gather(qx.q)
@@ -225,16 +236,20 @@ def _shared_forward(eqns, gather, x, ws, weights):
   return ys, (keep((q, qx.scale, qws)), tuple(jnp.zeros((), w.dtype) for w in ws))
 
 
-def _shared_backward(eqns, gather, residuals, gs):
+def _shared_backward(eqns, gather, sum_dx, residuals, gs):
   (q, sx, qws), w_zeros = residuals
-  dx, dws = None, []
+  terms, dws = [], []
   for eqn, (qw, sw), g, w_zero in zip(eqns, qws, gs, w_zeros):
     dx_gemm, dw_gemm = map(Gemm.parse, transposed(eqn))
     qg = quantize_operand("tensorwise", g, dx_gemm, 0, E5M2)
-    part = scaled_matmul(dx_gemm, qg, Quantized(qw, dx_gemm.b, sw, ""), g.dtype)
-    dx = part if dx is None else dx + part
+    terms.append((functools.partial(_dx_term, dx_gemm, g.dtype), (qg.q, qg.scale, qw, sw)))
     dws.append(scaled_matmul(dw_gemm, Quantized(q, dw_gemm.a, sx, ""), qg, w_zero.dtype))
-  return dx, tuple(dws), None
+  return sum_dx(terms), tuple(dws), None
+
+
+def _dx_term(gemm: Gemm, dtype, g, g_scale, w, w_scale) -> jax.Array:
+  return scaled_matmul(gemm, Quantized(g, gemm.a, g_scale, ""), Quantized(w, gemm.b, w_scale, ""),
+                       dtype)
 
 
 shared_input_einsums.defvjp(_shared_forward, _shared_backward)
