@@ -375,7 +375,7 @@ def test_the_grouped_matmul_costs_its_flops_at_the_rate_its_gpu_trace_measured(
                                   "visits", "2026-11-27c", "artifacts.tgz"))
   text = gzip.decompress(tar.extractfile(f"./{run}.hlo.txt.gz").read()).decode()
   h200 = hardware.profile_of_device("NVIDIA H200")
-  grouped = {name for name, path in re.findall(r'%([\w.\-]+) = [^\n]*op_name="([^"]*)"', text)
+  grouped = {name for name, path in hlo.op_names(text).items()
              if step_time.GROUPED_MATMUL.search(path)}
   calls = [o for o in step_time.predict(text, h200, top=100000).top_ops if o["name"] in grouped]
   assert sum(o["count"] for o in calls) == 12 * layers and {o["kind"] for o in calls} == {"gemm"}

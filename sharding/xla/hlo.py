@@ -25,6 +25,7 @@ _MESH_AXIS = re.compile(r"'?([\w.]+)'?\s*=\s*(\d+)")
 _GROUP_AXIS = re.compile(r"'?([\w.]+)'?(?::\((\d+)\)(\d+))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
+_OP_NAME = re.compile(r'%([\w.\-]+) = .*?op_name="([^"]*)"')
 
 _SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
@@ -165,6 +166,11 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
       attrs = _METADATA.sub("", tail[op.end():])
       comps[comp].append(_Instr(m.group("name"), type_str, op.group("op"), attrs))
   return comps, header
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> the JAX op_name path its metadata records (instructions that have one)."""
+  return dict(_OP_NAME.findall(hlo_text))
 
 
 def computations(hlo_text: str) -> dict[str, list[Instr]]:

@@ -35,7 +35,6 @@ _NO_KERNEL = overlap._NO_KERNEL | {"while", "call", "conditional", "copy-start",
 _CONTRACT_ATTR = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CONTRACT_JSON = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
-_OP_NAME = re.compile(r'%([\w.\-]+) = .*?op_name="([^"]*)"')
 _FLASH = re.compile(r"flash_attention_(fwd|dq|dkv)")
 _FLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 # The Pallas grouped matmul of dropless MoE (kernels/grouped_matmul.py): rows x weights, and dW.
@@ -85,7 +84,7 @@ class _Walk:
   def __init__(self, hlo_text: str, profile, gpus_per_node: int):
     self.comps = hlo.computations(hlo_text)
     self.flops_of = overlap._Costs(self.comps)
-    self.op_names = dict(_OP_NAME.findall(hlo_text))
+    self.op_names = hlo.op_names(hlo_text)
     self.collectives = {c.name: c for c in hlo.collectives(hlo_text)}
     self.profile, self.gpus_per_node = profile, gpus_per_node
     self.costs: dict[str, OpCost] = {}
