@@ -333,7 +333,8 @@ def test_recipes_train_under_a_pipeline_like_one_device():
 def test_tensorwise_trains_under_a_pipeline_with_sequence_parallelism_like_one_device():
   """As above with sequence parallelism: tensorwise projections then gather their fp8 input
   once and reduce-scatter its gradient once from a shard_map nested in the pipeline stage
-  (models/layers.py). Measured: step 2 and 3 losses 8e-6 and 5e-5 off one device's."""
+  (models/layers.py). Measured: steps 2 and 3 within 1.3e-6 and 4.6e-5 (relative) of one
+  device's losses."""
   train_like_one_device(dict(data=1, pipeline=2, fsdp=2, tensor=2, sequence_parallel=True),
                         microbatches=2, recipes=("tensorwise",))
 
