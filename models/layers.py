@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.fp8 import delayed as fp8_ops
-from models.fp8.current import quantized_einsum, shared_input_einsums
+from models.fp8.current import Gemm, quantized_einsum, shared_input_einsums
 from sharding import constrain, embedding_lookup, logical_sum_reduce_scatter
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
@@ -63,9 +63,9 @@ def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.A
   took 3 reduce-scatters and gate and up 2 (the 70B TP4 PP8 recipe's largest collective)."""
   names = []
   for eqn, out in zip(eqns, out_names):
-    (x_letters, w_letters), out_letters = eqn.split("->")[0].split(","), eqn.split("->")[1]
-    by_letter = dict(zip(x_letters, GATHERED)) | dict(zip(out_letters, out))
-    names.append((out, (), tuple(by_letter[c] for c in w_letters), ()))
+    gemm = Gemm.parse(eqn)
+    by_letter = dict(zip(gemm.a, GATHERED)) | dict(zip(gemm.out, out))
+    names.append((out, (), tuple(by_letter[c] for c in gemm.b), ()))
   return logical_sum_reduce_scatter(layout, terms, names, GATHERED, RESIDUAL, "projection dx")
 
 

@@ -3,7 +3,7 @@ its resolution, the sharding scope (constrain() and state shardings), and the co
 take the layout. The analysis rooms are sharding.plan and sharding.xla."""
 
 from sharding.collective_matmul import (logical_all_gather_matmul, logical_matmul_reduce_scatter,
-                                         logical_sum_reduce_scatter)
+                                         logical_sum_reduce_scatter, sum_terms)
 from sharding.context_parallel import context_attention, zigzag
 from sharding.expert import dropless_experts
 from sharding.layout import Layout
@@ -26,6 +26,6 @@ __all__ = [
     "logical_sum_reduce_scatter", "logical_to_spec", "lookup_moves_rows", "make_mesh",
     "mesh_sizes", "MeshConfig", "named_sharding", "parse_overrides", "record_constraints",
     "replicated", "resolve", "resolve_sizes", "role_rules", "shard_map_logical", "spec",
-    "split_across_hosts", "split_vocab_over_fsdp", "tree_shardings", "use_rules",
+    "split_across_hosts", "split_vocab_over_fsdp", "sum_terms", "tree_shardings", "use_rules",
     "with_overrides", "zigzag",
 ]

@@ -122,8 +122,7 @@ def _logical(x, w, x_names, out_names, contract, kind, what):
   out_shape = x.shape[:-contract] + w.shape[contract:]
   x_spec = spec(x_names, x.shape, f"{what} input")
   out_spec = spec(out_names, out_shape, f"{what} output")
-  x_axes = [entry_axes(e) for e in tuple(x_spec) + (None,) * (x.ndim - len(x_spec))]
-  out_axes = [entry_axes(e) for e in tuple(out_spec) + (None,) * (len(out_shape) - len(out_spec))]
+  x_axes, out_axes = _dim_axes(x_spec, x.ndim), _dim_axes(out_spec, len(out_shape))
   lead = x.ndim - contract
   found = []
   for d in range(lead):
@@ -221,14 +220,14 @@ def logical_sum_reduce_scatter(layout, terms: Sequence[tuple[Callable, tuple]],
     out_names: logical names of the result.
   """
   def plain():
-    return _added(fn(*args) for fn, args in terms)
+    return sum_terms(terms)
 
   if layout.mesh is None:
     return plain()
   shape = jax.eval_shape(plain).shape
-  summed = [entry_axes(e) for e in _padded(spec(summed_names, shape, f"{what} sum"), len(shape))]
+  summed = _dim_axes(spec(summed_names, shape, f"{what} sum"), len(shape))
   out_spec = spec(out_names, shape, f"{what} output")
-  out = [entry_axes(e) for e in _padded(out_spec, len(shape))]
+  out = _dim_axes(out_spec, len(shape))
   try:
     found = [(d, axis) for d in range(len(shape))
              if (axis := _collective_axis(out[d], summed[d], f"{what} dim {d}")) is not None]
@@ -247,7 +246,7 @@ def logical_sum_reduce_scatter(layout, terms: Sequence[tuple[Callable, tuple]],
     in_specs.append(tuple(specs))
 
   def per_device(*groups):
-    total = _added(fn(*args) for (fn, _), args in zip(terms, groups))
+    total = sum_terms([(fn, args) for (fn, _), args in zip(terms, groups)])
     return jax.lax.psum_scatter(total, axis, scatter_dimension=dim, tiled=True)
 
   mesh = layout.stage_mesh() if layout.in_pipeline_stage else layout.mesh
@@ -255,9 +254,12 @@ def logical_sum_reduce_scatter(layout, terms: Sequence[tuple[Callable, tuple]],
                        out_specs=out_spec)(*(tuple(args) for _, args in terms))
 
 
-def _added(values) -> jax.Array:
-  return functools.reduce(operator.add, values)  # in order: ((a + b) + c)
+def sum_terms(terms: Sequence[tuple[Callable, tuple]]) -> jax.Array:
+  """`fn(*args)` of each (fn, args) pair, added in order, ((a + b) + c), on one device."""
+  return functools.reduce(operator.add, (fn(*args) for fn, args in terms))
 
 
-def _padded(partition_spec, ndim: int) -> tuple:
-  return tuple(partition_spec) + (None,) * (ndim - len(tuple(partition_spec)))
+def _dim_axes(partition_spec, ndim: int) -> list[tuple[str, ...]]:
+  """The mesh axes of each of an array's `ndim` dims (a spec may leave trailing dims out)."""
+  entries = tuple(partition_spec)
+  return [entry_axes(e) for e in entries + (None,) * (ndim - len(entries))]

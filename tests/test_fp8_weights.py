@@ -18,11 +18,11 @@ from configs import llama
 from models import ComputeConfig, builder
 from models.fp8.config import Fp8Config
 from models.fp8.delayed import fp8_einsum, quantize_weight as delayed_weight
-from models.fp8.current import (quantize_weight as tensorwise_weight, quantized_einsum, sum_terms,
+from models.fp8.current import (quantize_weight as tensorwise_weight, quantized_einsum,
                                 shared_input_einsums)
 from models.fp8.weights import RECIPES, QuantizedWeight, quantize_weights
 from models.layers import GATHERED, RESIDUAL, gather_fp8_input, reduce_input_gradient
-from sharding import Layout, MeshConfig, constrain, named_sharding
+from sharding import Layout, MeshConfig, constrain, named_sharding, sum_terms
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_collective_matmul import layout_of, reductions

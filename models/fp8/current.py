@@ -30,7 +30,6 @@ fsdp=4 x tensor=2 projections: 5 to 8 all-gathers for forward and backward, tens
 
 import functools
 import math
-import operator
 from typing import NamedTuple
 
 import jax
@@ -213,16 +212,12 @@ def shared_input_einsums(eqns: tuple, gather, sum_dx, x: jax.Array, ws: tuple,
   Transformer Engine fuses q, k and v into one GEMM for the same reason. The backward reads the
   gathered fp8 x for every dw. `weights`: each w's (fp8 w, scale) from quantize_weight, or None.
   `sum_dx(terms)`: x's gradient from its GEMMs' dx terms, (function, arguments) pairs to call
-  and add in order (sum_terms); sequence parallelism adds them before reducing them once
-  (sharding.logical_sum_reduce_scatter). The arguments of GEMM i's term: its output gradient in
-  e5m2 and that one's scale (its letters: eqn i's output), its fp8 weight and that one's scale.
+  and add in order (sharding.sum_terms on one device); sequence parallelism adds them before
+  reducing them once (sharding.logical_sum_reduce_scatter). The arguments of GEMM i's term: its
+  output gradient in e5m2 and that one's scale (its letters: eqn i's output), its fp8 weight
+  and that one's scale.
   """
   return _shared_forward(eqns, gather, sum_dx, x, ws, weights)[0]
-
-
-def sum_terms(terms) -> jax.Array:
-  """The dx terms of shared_input_einsums, added in order on one device: ((a + b) + c)."""
-  return functools.reduce(operator.add, (fn(*args) for fn, args in terms))
 
 
 def _shared_forward(eqns, gather, sum_dx, x, ws, weights):
