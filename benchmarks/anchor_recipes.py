@@ -110,9 +110,11 @@ ANCHORS = (
            " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"
            " 1,621)", 1_664, FP8_CS, "llama3_70b", 64,
            dict(data=2, tensor=4, pipeline=8, virtual_stages=5,
-                pipeline_schedule="paired_1f1b", sequence_parallel=True), 256,
+                pipeline_schedule="paired_1f1b", sequence_parallel=True, zero_stage=1), 256,
            8192, 128, "none",
-           PAIRED + " Megatron's layout puts the embedding and head on stages of their own layers"
+           PAIRED + " both shard the optimizer state over the 2 data-parallel replicas (Megatron's"
+           " distributed optimizer, which its recipes' optimizer configs turn on; meshtron's"
+           " ZeRO-1). Megatron's layout puts the embedding and head on stages of their own layers"
            " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
            " cuDNN attention (meshtron: its Pallas flash kernel)", compute=_fp8(),
            master_weights=True),

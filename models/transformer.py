@@ -274,8 +274,13 @@ class Transformer(nnx.Module):
     # keeps the compile time flat in the depth.
     scanned = self.compute.scan_layers and not (
         self.layout.in_pipeline_stage and groups <= UNROLLED_STAGE_GROUPS and not accumulating)
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
-                          prevent_cse=not scanned)
+    # Not checkpointed: a pipeline stage's unrolled chunk under remat="none". Its pullback
+    # lives within one tick (the executor differentiates the chunk in its backward tick), and
+    # jax.checkpoint saves no residual of a custom_vjp (the flash kernel's, a region nested in
+    # the stage: sharding.shard_map.stage_shard_map), so each ran its forward a second time.
+    if scanned or self.compute.remat != "none" or not self.layout.in_pipeline_stage:
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
+                            prevent_cse=not scanned)
     if accumulating:
       x, ys = accumulating_scan(body, x, stacked, jax.tree.map(grouped, acc), use_max)
     elif scanned:

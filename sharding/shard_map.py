@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
 
 from kernels.pallas_triton import varying_like
 from sharding.mesh import LayoutError, mesh_sizes
@@ -84,54 +85,93 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
 def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
                     opaque: bool = False) -> Callable:
   """`fn` under a shard_map nested in a pipeline stage's (manual over the pipeline axis and the
-  replicas'), differentiated by a second shard_map that recomputes it: JAX's own
-  differentiation of a nested shard_map names the residuals it keeps with the outer manual axes
-  too, which Shardy rejects ("manual axes come before free axes"). The arguments are the only
-  residuals; the floating-point ones get gradients. `mesh`: the stage's abstract mesh
-  (sharding.Layout.stage_mesh)."""
+  replicas'), differentiated by a second shard_map: JAX's own differentiation of a nested
+  shard_map names the residuals it keeps with the outer manual axes too, which Shardy rejects
+  ("manual axes come before free axes"). The forward's per-device pullback (jax.vjp's, a
+  pytree whose leaves are the residuals) is taken apart: its leaves that are not arguments leave
+  the region as outputs split over its devices, and the backward's region puts the pullback
+  together again and applies it, running no part of the forward twice (it recomputed the whole
+  region: the flash kernel's forward, the experts' exchange and matmuls). The floating-point
+  arguments get gradients. `mesh`: the stage's abstract mesh (sharding.Layout.stage_mesh)."""
   region = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                          check_vma=check_vma)
+  # The axes the region makes manual (the stage's already are).
+  region_axes = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                      if t != AxisType.Manual)
+  found = {}
 
-  def forward(*args):
-    if not opaque:
-      return region(*args)
-    # One trip of a while loop: a layer's remat policy keeps the loop's output and looks no
+  def one_trip(f, *args):
+    # One trip of a while loop: a layer's remat policy keeps the loop's outputs and looks no
     # further (JAX saves nothing from inside a while), where it would otherwise split the region
     # to keep the values inside it it deems saveable (a collective's output), naming them with
     # the stage's manual axes too (JAX 0.10), which Shardy rejects.
-    out = jax.eval_shape(region, *args)
-    first = varying_like(jnp.zeros(out.shape, out.dtype), args[0])
-    return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, region(*args)),
-                              (jnp.int32(0), first))[1]
+    traced = jax.make_jaxpr(f, return_shape=True)(*args)
+    types = jax.tree.unflatten(jax.tree.structure(traced[1]), traced[0].out_avals)
+
+    def zeros(t):  # typed as the output: the manual axes it varies over too
+      axes = tuple(sorted(t.manual_axis_type.varying))
+      z = jnp.zeros(t.shape, t.dtype)
+      return jax.lax.pcast(z, axes, to="varying") if axes else z
+    return jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, f(*args)),
+                              (jnp.int32(0), jax.tree.map(zeros, types)))[1]
 
   def differentiable(args) -> list[int]:
     return [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
 
-  @jax.custom_vjp
-  def run(*args):
-    return forward(*args)
-
-  def run_forward(*args):
-    return forward(*args), args
-
-  def run_backward(args, g):
+  def of(args):  # fn of the differentiable arguments, the others as given
     wrt = differentiable(args)
 
-    def per_device_vjp(g, *args):
-      def of(*values):
-        full = list(args)
-        for i, value in zip(wrt, values):
-          full[i] = value
-        return fn(*full)
-      return jax.vjp(of, *(args[i] for i in wrt))[1](g)
+    def call(*values):
+      full = list(args)
+      for i, value in zip(wrt, values):
+        full[i] = value
+      return fn(*full)
+    return call, [args[i] for i in wrt]
 
-    backward = jax.shard_map(per_device_vjp, mesh=mesh, in_specs=(out_spec, *in_specs),
+  def forward_keeping(*args):  # per device: fn's output, and its pullback's leaves to keep
+    call, primals = of(args)
+    out, pullback = jax.vjp(call, *primals)
+    leaves, found["treedef"] = jax.tree.flatten(pullback)
+    found["sources"] = [next((j for j, a in enumerate(args) if leaf is a), -1) for leaf in leaves]
+    kept = [leaf for leaf, j in zip(leaves, found["sources"]) if j < 0]
+    # Each kept leaf leaves split over the axes it varies over (one slice per device of those),
+    # so that the backward's region sees it typed as the forward's did; unchecked, over all.
+    found["specs"] = [PartitionSpec(tuple(a for a in region_axes if not check_vma or a in
+                                          jax.typeof(leaf).manual_axis_type.varying) or None)
+                      for leaf in kept]
+    return out, [leaf[None] for leaf in kept]
+
+  def keeping(*args):
+    jax.eval_shape(jax.shard_map(  # traced once for the kept leaves' specs
+        forward_keeping, mesh=mesh, in_specs=in_specs,
+        out_specs=(out_spec, PartitionSpec(region_axes)), check_vma=check_vma), *args)
+    return jax.shard_map(forward_keeping, mesh=mesh, in_specs=in_specs,
+                         out_specs=(out_spec, found["specs"]), check_vma=check_vma)(*args)
+
+  @jax.custom_vjp
+  def run(*args):
+    return one_trip(region, *args) if opaque else region(*args)
+
+  def run_forward(*args):
+    out, kept = one_trip(keeping, *args)
+    return out, (args, kept)
+
+  def run_backward(residuals, g):
+    args, kept = residuals
+    wrt = differentiable(args)
+
+    def per_device_vjp(g, args, kept):
+      stored = iter(kept)
+      leaves = [args[j] if j >= 0 else next(stored)[0] for j in found["sources"]]
+      return jax.tree.unflatten(found["treedef"], leaves)(g)
+
+    backward = jax.shard_map(per_device_vjp, mesh=mesh,
+                             in_specs=(out_spec, tuple(in_specs), found["specs"]),
                              out_specs=tuple(in_specs[i] for i in wrt), check_vma=check_vma)
     # Typed as the primals: unchecked (check_vma off), the region's results do not vary over
     # the stage's manual axes, though the arguments do (a cast, not a transpose: values as is).
-    grads = {i: varying_like(d, args[i]) for i, d in zip(wrt, backward(g, *args))}
+    grads = {i: varying_like(d, args[i]) for i, d in zip(wrt, backward(g, args, kept))}
     return tuple(grads.get(i) for i in range(len(args)))
 
   run.defvjp(run_forward, run_backward)
   return run
-

@@ -5,6 +5,7 @@ import dataclasses
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from sharding import MeshConfig
@@ -107,7 +108,7 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
   accumulators); every tick both rings (forward activations, backward gradients) move one
   activation: exactly 2 x ticks x activation bytes. The head's pieces move apart: a quarter of
   an activation from the last stage to each other stage and back, 6 permutes charged a tick
-  (they run in the ticks of the last stage's forwards)."""
+  (they run in the ticks of the last stage's forwards), in each of the scans the ticks run as."""
   activation = (128 // 32 // 2) * 16 * MODELS[4].embed_dim * 4  # microbatch rows per data shard
   programs = {kind: compiled(kind) for kind in ("afab", "1f1b")}
   temp = {k: p.memory_analysis().temp_size_in_bytes for k, p in programs.items()}
@@ -122,8 +123,10 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
     ticks = schedules.make(kind, 4, 32).ticks
     ring = [c for c in permutes if c.bytes == activation]
     assert sum(c.bytes * c.count for c in ring) == 2 * ticks * activation
-    pieces = [c for c in permutes if c not in ring]
-    assert len(pieces) == 6 and {(c.bytes, c.count) for c in pieces} == {(activation // 4, ticks)}
+    pieces = [c for c in permutes if c not in ring]  # in each scan of ticks (tick_blocks)
+    scans = len(schedules.tick_blocks(schedules.make(kind, 4, 32).backward_ticks()))
+    assert len(pieces) == 6 * scans and {c.bytes for c in pieces} == {activation // 4}
+    assert sum(c.count for c in pieces) == 6 * ticks
 
 
 def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
@@ -222,8 +225,9 @@ def test_bf16_parameters_sum_their_gradients_in_grad_accum_dtype():
 
 def test_a_stage_of_few_layers_runs_them_unrolled():
   """pipeline=2 x data=4: with 2 layers a stage, the stage runs them unrolled, so the compiled
-  program's only loop is the schedule's ticks (scanned, each tick stacked every layer's residuals
-  for the backward and sliced each layer's weights); with 8 layers a stage they stay scanned."""
+  program's only loops are the schedule's ticks (two scans: the warm-up's, which runs no
+  backward, and the rest; scanned layers stacked every layer's residuals for the backward and
+  sliced each layer's weights at each tick); with 8 layers a stage they stay scanned."""
   loops = {}
   for layers in (4, 16):
     cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[layers])
@@ -232,4 +236,66 @@ def test_a_stage_of_few_layers_runs_them_unrolled():
       text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
           ).as_text()
     loops[layers] = sum(" while(" in line for line in text.splitlines())
-  assert loops[4] == 1 and loops[16] > 1, loops
+  scans = len(schedules.tick_blocks(schedules.make("1f1b", 2, 8).backward_ticks()))
+  assert scans == 2 and loops[4] == scans and loops[16] > scans, loops
+
+
+def test_tick_blocks_cut_the_ticks_where_backwards_start():
+  assert schedules.tick_blocks(np.zeros(10, bool)) == [(0, (10,), 1)]
+  flags = np.array([0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 0], bool)
+  assert schedules.tick_blocks(flags) == [(0, (1, 2), 3), (9, (2,), 1)]
+  table = schedules.make("1f1b", 4, 8)  # the last stage's first backward is its 4th tick's
+  assert table.backward_ticks()[:5].tolist() == [False] * 4 + [True]
+  assert schedules.tick_blocks(table.backward_ticks()) == [(0, (4,), 1), (4, (18,), 1)]
+
+
+def loop_dots(text: str) -> list[tuple[int, int]]:
+  """(trip count, dots in the body and what it calls) of each while loop of a program."""
+  comps = hlo.computations(text)
+
+  def dots(comp, seen=()):
+    return sum((i.op == "dot") + sum(dots(c, (*seen, comp)) for c in hlo.callees(i)
+                                     if c in comps and c not in seen)
+               for i in comps.get(comp, []))
+  return [(hlo.trip_count(i, comps, c), sum(dots(b) for b in hlo.callees(i) if b in comps))
+          for c, instrs in comps.items() for i in instrs if i.op == "while"]
+
+
+def test_the_warm_up_ticks_compile_no_backward():
+  """1F1B on 4 stages, 8 microbatches: no stage runs a backward in the first 4 ticks, so they
+  run as a scan of their own whose tick holds the forward and the head only (12 dots measured,
+  against 90 in the other scan's tick: its backward branch holds a vjp per pipeline position).
+  The step-time model prices a conditional by its costliest branch, as a lock-step tick waits
+  for its slowest stage: with one scan, every warm-up tick was priced as a backward."""
+  cfg = harness.config(MeshConfig(data=2, pipeline=4), microbatches=8, model=MODELS[4])
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+        ).as_text()
+  (warm_trips, warm_dots), (trips, dots) = sorted(loop_dots(text))
+  assert (warm_trips, trips) == (4, 18)
+  assert 0 < warm_dots <= dots // 5, (warm_dots, dots)
+
+
+def test_a_region_nested_in_a_stage_keeps_its_residuals_for_the_backward():
+  """Ulysses attention inside the stages (tensor=2, context=2, 2 stages of 2 layers): each
+  backward branch of the stage (first, middle and last position) runs 8 all-to-alls a layer,
+  the recomputed forward's 4 and the backward's 4. The region's backward used to run its
+  forward again (sharding.shard_map.stage_shard_map kept only its arguments): 21 a branch."""
+  cfg = harness.config(MeshConfig(data=1, tensor=2, context=2, sequence_parallel=True,
+                                  pipeline=2), microbatches=8, model=MODELS[4])
+  cfg.compute = dataclasses.replace(harness.COMPUTE, context_impl="ulysses")
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
+        ).as_text()
+  comps = hlo.computations(text)
+
+  def all_to_alls(comp, seen=()):
+    return sum((i.op == "all-to-all") + sum(all_to_alls(c, (*seen, comp)) for c in
+                                            hlo.callees(i) if c in comps and c not in seen)
+               for i in comps.get(comp, []))
+  branches = [[all_to_alls(b) for b in hlo.callees(i) if b in comps]
+              for instrs in comps.values() for i in instrs if i.op == "conditional"]
+  positions = [b for b in branches if len(b) == 3 and min(b) > 0]  # middle, first, last
+  assert positions == [[16, 16, 16]], branches

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.pipeline import schedules as sched
+from sharding.pipeline.head_pieces import HeadPieces
 from sharding.scope import excluding
 
 
@@ -119,10 +120,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   slots, last_position = schedule.buffer_slots(), stages * virtual - 1
   table = jnp.stack([jnp.asarray(schedule.op), jnp.asarray(schedule.microbatch),
                      jnp.asarray(schedule.chunk)], axis=-1)  # [T, S, 3]
-  used = sorted({int(o) for o in np.unique(schedule.op)} | {sched.IDLE})  # operations present
   paired = None if schedule.paired is None else jnp.asarray(schedule.paired)  # DualPipeV's F&B
-  used_paired = [] if paired is None else sorted(
-      {int(o) for o in np.unique(schedule.paired[..., 0])} | {sched.IDLE})
+
+  def used(k, ticks):  # the operations slot k runs in `ticks`: only those are compiled
+    ops = schedule.op if k == 0 else schedule.paired[..., 0]
+    return sorted({int(o) for o in np.unique(ops[ticks])} | {sched.IDLE})
   positions = jnp.asarray(schedule.positions())  # [virtual, stages]
   send_table, receive_table = schedule.messages()
   # (source, is_gradient) pairs that ever arrive: only those buffer writes are compiled.
@@ -137,27 +139,12 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   first_mb = jax.tree.map(lambda a: a[0], data)
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
-  # The head runs on every stage, each on 1/stages of the tokens (the sequence padded to a
-  # multiple), in the ticks after the last position's forward (schedule.head_ops): one stage
-  # running it alone held the others waiting in that tick (lock step), and the 70B TP4 PP8
-  # program charged its GEMMs, 25% of its kernel time, at every tick.
+  # The head's tokens split over the stages (sharding/pipeline/head_pieces.py).
   head_ops = schedule.head_ops()  # [T, 3]: microbatch, stage, chunk; -1: none
   heads = jnp.asarray(head_ops)
-  length = act.shape[1]
-  piece = -(-length // stages)
-
-  def padded(a):  # [b, L, ...] -> [b, stages x piece, ...]
-    return jnp.pad(a, [(0, 0), (0, piece * stages - length)] + [(0, 0)] * (a.ndim - 2))
-
-  def piece_of(a, index):  # [b, L, ...] -> [b, piece, ...]: tokens index, index + stages, ...
-    # Strided, not contiguous: a sequence split over `tensor` (sequence parallelism) holds an
-    # equal part of every piece, so taking one moves nothing (a contiguous piece was resharded
-    # over `tensor` by permutes, 12 more a tick than the pieces' own 14 at 8 stages).
-    if a.ndim < 2 or a.shape[1] != length:
-      return a
-    a = padded(a).reshape(a.shape[0], piece, stages, *a.shape[2:])
-    return jax.lax.dynamic_index_in_dim(a, index, axis=2, keepdims=False)
-
+  pieces = HeadPieces(stages, act.shape[1],
+                      int(np.unique(head_ops[head_ops[:, 0] >= 0, 1]).item()), axis, me)
+  piece_of = pieces.piece_of
   x = jax.lax.pcast(jnp.zeros(act.shape, act.dtype), manual, to="varying")  # as stages see it
   # fp8 weights quantized once per step, each chunk where it lives: ticks that quantized their
   # chunk's weights (an amax pass and a cast per weight, in the forward and again in the
@@ -295,25 +282,6 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return carry, message  # adding its zeros took a pass over the chunk's sums every tick
     return accumulate(carry, c, *part), message
 
-  # The pieces move by permutes from and to the stage holding the last position: XLA gathered
-  # the rows of a reduce-scatter's or all-gather's operand over `expert` (an auto axis here).
-  holder = int(np.unique(head_ops[head_ops[:, 0] >= 0, 1]).item())  # one stage: p-1, or V's 0
-  others = [s for s in range(stages) if s != holder]
-
-  def scatter(y):  # the holder's y [b, L, ...] -> each stage's piece [b, piece, ...]
-    mine = jnp.where(me == holder, piece_of(y, holder), 0)
-    for s in others:
-      mine = mine + jax.lax.ppermute(piece_of(y, s), axis, [(holder, s)])
-    return mine
-
-  def gather(mine):  # each stage's piece -> the whole [b, L, ...] on the holder
-    b, rest = mine.shape[0], mine.shape[2:]
-    whole = jnp.zeros((b, piece, stages, *rest), mine.dtype)
-    for s in [holder, *others]:
-      whole = whole.at[:, :, s].set(
-          mine if s == holder else jax.lax.ppermute(mine, axis, [(s, holder)]))
-    return whole.reshape(b, piece * stages, *rest)[:, :length]
-
   def head(carry, t, y):
     """The head over this tick's last-position output y: each stage takes its piece of the
     tokens from the holder, differentiates the head on it, and the pieces' input gradients
@@ -324,11 +292,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
     def on_piece():
       mb = jax.tree.map(lambda a: piece_of(a[m], me), data)
-      mine = scatter(y)
+      mine = pieces.scatter(y)
       loss, pullback, stats = jax.vjp(lambda s, h: fns.head(s, h, mb), shared, mine,
                                       has_aux=True)
       d_shared, d_mine = pullback(jnp.ones_like(loss))
-      dy = gather(d_mine)
+      dy = pieces.gather(d_mine)
       return d_shared, no_loss + loss, full(stats), dy
 
     def none():
@@ -339,17 +307,17 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
                  shared_acc=add_shared(carry["shared_acc"], d_shared))
     slot, buffer = m % slots, carry["grads"]
-    carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == holder), dy,
+    carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == pieces.holder), dy,
                                                       buffer[c, slot]))
     return carry
 
-  def tick(carry, t):
-    carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], used)
+  def tick(carry, t, ops):
+    carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], ops[0])
     carry = head(carry, t, message)
     messages = [message]
     if paired is not None:  # the backward overlapped with this tick's forward
       carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],
-                           used_paired)
+                           ops[1])
       messages.append(message)
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     ring = [(i, (i + 1) % stages) for i in range(stages)]
@@ -369,9 +337,27 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       buffer = carry[key]
       carry[key] = buffer.at[chunk_to, slot_to].set(
           jnp.where(sent, got[src], buffer[chunk_to, slot_to]))
-    return carry, None
+    return carry
 
-  carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.shape[0]))
+  # The ticks run as scans over blocks of ticks with the same operations: the ticks in which no
+  # stage runs a backward (the warm-up) compile none (the step-time model prices a conditional
+  # by its costliest branch, as a lock-step tick waits for its slowest stage).
+  for start, lengths, repeats in sched.tick_blocks(schedule.backward_ticks()):
+    period = sum(lengths)
+
+    def block(carry, r, start=start, lengths=lengths, period=period, repeats=repeats):
+      offset = start
+      for length in lengths:
+        ticks = np.concatenate([np.arange(offset + i * period, offset + i * period + length)
+                                for i in range(repeats)])
+        ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
+        carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
+                                offset + r * period + jnp.arange(length))
+        offset += length
+      return carry, None
+
+    carry = (block(carry, 0)[0] if repeats == 1 else
+             jax.lax.scan(block, carry, jnp.arange(repeats))[0])
   # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
   # over stages and replicas (the rest).
   def reduce(tree, axes, by_max=None):

@@ -86,6 +86,12 @@ class Schedule:
           live -= int(op in RELEASES)
     return peaks
 
+  def backward_ticks(self) -> np.ndarray:
+    """[ticks] bool: the ticks in which some stage runs a backward (or a part of one)."""
+    ops = self.op[..., None] if self.paired is None else np.stack(
+        [self.op, self.paired[..., 0]], axis=-1)
+    return np.any(np.isin(ops, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)), axis=(1, 2))
+
   def head_ops(self) -> np.ndarray:
     """[ticks, 3] int: (microbatch, stage, chunk) of the forward each tick runs at the pipeline's
     last position, or -1s where none runs: the ticks after whose first slot the executor runs
@@ -164,6 +170,30 @@ class Schedule:
       width = 11 if self.paired is not None else 5
       rows.append(" ".join(f"{c:<{width}}" for c in cells).rstrip())
     return "\n".join(rows)
+
+
+def tick_blocks(flags: np.ndarray) -> list[tuple[int, tuple[int, ...], int]]:
+  """The ticks cut where `flags` changes, as blocks (start, run lengths, repeats): the runs
+  start, start + lengths[0], ... repeated `repeats` times back to back. Alternating runs of the
+  same lengths (a steady state's period) make one block, so that a program looping over the
+  blocks holds a few copies of a tick, not one per run."""
+  runs, start = [], 0
+  for t in range(1, len(flags) + 1):
+    if t == len(flags) or flags[t] != flags[start]:
+      runs.append(t - start)
+      start = t
+  blocks, i, start = [], 0, 0
+  while i < len(runs):
+    pair = tuple(runs[i:i + 2])
+    repeats = 1
+    while len(pair) == 2 and tuple(runs[i + 2 * repeats:i + 2 * repeats + 2]) == pair:
+      repeats += 1
+    if repeats == 1:
+      pair = pair[:1]
+    blocks.append((start, pair, repeats))
+    start += sum(pair) * repeats
+    i += len(pair) * repeats
+  return blocks
 
 
 def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
