@@ -107,10 +107,8 @@ def flash_forwards_per_backward(text: str) -> list[int]:
   custom_vjp residual) or the stage region's recomputing backward, it ran the kernel again."""
   comps = hlo.computations(text)
 
-  def calls(comp, seen=()):
-    return sum((i.op == "custom-call" and i.type.startswith("(") and " f32[" in i.type)
-               + sum(calls(c, (*seen, comp)) for c in hlo.callees(i)
-                     if c in comps and c not in seen) for i in comps.get(comp, []))
-  per_branch = [[calls(b) for b in hlo.callees(i) if b in comps]
+  def forward(ins):
+    return ins.op == "custom-call" and ins.type.startswith("(") and " f32[" in ins.type
+  per_branch = [[hlo.count_within(comps, b, forward) for b in hlo.callees(i) if b in comps]
                 for instrs in comps.values() for i in instrs if i.op == "conditional"]
   return next(b for b in per_branch if len(b) == 3 and min(b) > 0)

@@ -123,8 +123,8 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
     ticks = schedules.make(kind, 4, 32).ticks
     ring = [c for c in permutes if c.bytes == activation]
     assert sum(c.bytes * c.count for c in ring) == 2 * ticks * activation
-    pieces = [c for c in permutes if c not in ring]  # in each scan of ticks (tick_blocks)
-    scans = len(schedules.tick_blocks(schedules.make(kind, 4, 32).backward_ticks()))
+    pieces = [c for c in permutes if c not in ring]  # in each scan of ticks (tick_runs)
+    scans = len(schedules.tick_runs(schedules.make(kind, 4, 32).backward_ticks()))
     assert len(pieces) == 6 * scans and {c.bytes for c in pieces} == {activation // 4}
     assert sum(c.count for c in pieces) == 6 * ticks
 
@@ -236,28 +236,24 @@ def test_a_stage_of_few_layers_runs_them_unrolled():
       text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
           ).as_text()
     loops[layers] = sum(" while(" in line for line in text.splitlines())
-  scans = len(schedules.tick_blocks(schedules.make("1f1b", 2, 8).backward_ticks()))
+  scans = len(schedules.tick_runs(schedules.make("1f1b", 2, 8).backward_ticks()))
   assert scans == 2 and loops[4] == scans and loops[16] > scans, loops
 
 
-def test_tick_blocks_cut_the_ticks_where_backwards_start():
-  assert schedules.tick_blocks(np.zeros(10, bool)) == [(0, (10,), 1)]
+def test_tick_runs_cut_the_ticks_where_backwards_start():
+  assert schedules.tick_runs(np.zeros(10, bool)) == [(0, 10)]
   flags = np.array([0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 0], bool)
-  assert schedules.tick_blocks(flags) == [(0, (1, 2), 3), (9, (2,), 1)]
+  assert schedules.tick_runs(flags) == [(0, 1), (1, 2), (3, 1), (4, 2), (6, 1), (7, 2), (9, 2)]
   table = schedules.make("1f1b", 4, 8)  # the last stage's first backward is its 4th tick's
   assert table.backward_ticks()[:5].tolist() == [False] * 4 + [True]
-  assert schedules.tick_blocks(table.backward_ticks()) == [(0, (4,), 1), (4, (18,), 1)]
+  assert schedules.tick_runs(table.backward_ticks()) == [(0, 4), (4, 18)]
 
 
 def loop_dots(text: str) -> list[tuple[int, int]]:
   """(trip count, dots in the body and what it calls) of each while loop of a program."""
   comps = hlo.computations(text)
-
-  def dots(comp, seen=()):
-    return sum((i.op == "dot") + sum(dots(c, (*seen, comp)) for c in hlo.callees(i)
-                                     if c in comps and c not in seen)
-               for i in comps.get(comp, []))
-  return [(hlo.trip_count(i, comps, c), sum(dots(b) for b in hlo.callees(i) if b in comps))
+  return [(hlo.trip_count(i, comps, c),
+           sum(hlo.count_within(comps, b, lambda i: i.op == "dot") for b in hlo.callees(i) if b in comps))
           for c, instrs in comps.items() for i in instrs if i.op == "while"]
 
 
@@ -290,12 +286,8 @@ def test_a_region_nested_in_a_stage_keeps_its_residuals_for_the_backward():
     text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
         ).as_text()
   comps = hlo.computations(text)
-
-  def all_to_alls(comp, seen=()):
-    return sum((i.op == "all-to-all") + sum(all_to_alls(c, (*seen, comp)) for c in
-                                            hlo.callees(i) if c in comps and c not in seen)
-               for i in comps.get(comp, []))
-  branches = [[all_to_alls(b) for b in hlo.callees(i) if b in comps]
+  branches = [[hlo.count_within(comps, b, lambda x: x.op == "all-to-all")
+               for b in hlo.callees(i) if b in comps]
               for instrs in comps.values() for i in instrs if i.op == "conditional"]
   positions = [b for b in branches if len(b) == 3 and min(b) > 0]  # middle, first, last
   assert positions == [[16, 16, 16]], branches

@@ -87,19 +87,12 @@ def test_uneven_stages_equal_one_device(layers, mesh, references):  # noqa: F811
 def _dot_free_branches(hlo_text: str) -> int:
   """Conditionals with a branch that runs no matmul while another branch does."""
   comps = hlo.computations(hlo_text)
-
-  def dots(name, seen):
-    if name in seen or name not in comps:
-      return 0
-    seen.add(name)
-    return sum((ins.op in ("dot", "convolution")) + sum(dots(c, seen) for c in hlo.callees(ins))
-               for ins in comps[name])
-
   found = 0
   for instrs in comps.values():
     for ins in instrs:
       if ins.op == "conditional":
-        counts = [dots(b, set()) for b in hlo.callees(ins)]
+        counts = [hlo.count_within(comps, b, lambda x: x.op in ("dot", "convolution"))
+                  for b in hlo.callees(ins)]
         found += min(counts) == 0 < max(counts)
   return found
 

@@ -339,25 +339,14 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
           jnp.where(sent, got[src], buffer[chunk_to, slot_to]))
     return carry
 
-  # The ticks run as scans over blocks of ticks with the same operations: the ticks in which no
-  # stage runs a backward (the warm-up) compile none (the step-time model prices a conditional
-  # by its costliest branch, as a lock-step tick waits for its slowest stage).
-  for start, lengths, repeats in sched.tick_blocks(schedule.backward_ticks()):
-    period = sum(lengths)
-
-    def block(carry, r, start=start, lengths=lengths, period=period, repeats=repeats):
-      offset = start
-      for length in lengths:
-        ticks = np.concatenate([np.arange(offset + i * period, offset + i * period + length)
-                                for i in range(repeats)])
-        ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
-        carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
-                                offset + r * period + jnp.arange(length))
-        offset += length
-      return carry, None
-
-    carry = (block(carry, 0)[0] if repeats == 1 else
-             jax.lax.scan(block, carry, jnp.arange(repeats))[0])
+  # A scan per run of ticks that do or do not run a backward: the warm-up's ticks, in which no
+  # stage runs one, compile none (the step-time model prices a conditional by its costliest
+  # branch, as a lock-step tick waits for its slowest stage).
+  for start, length in sched.tick_runs(schedule.backward_ticks()):
+    ticks = np.arange(start, start + length)
+    ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
+    carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
+                            start + jnp.arange(length))
   # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
   # over stages and replicas (the rest).
   def reduce(tree, axes, by_max=None):

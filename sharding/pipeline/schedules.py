@@ -172,28 +172,10 @@ class Schedule:
     return "\n".join(rows)
 
 
-def tick_blocks(flags: np.ndarray) -> list[tuple[int, tuple[int, ...], int]]:
-  """The ticks cut where `flags` changes, as blocks (start, run lengths, repeats): the runs
-  start, start + lengths[0], ... repeated `repeats` times back to back. Alternating runs of the
-  same lengths (a steady state's period) make one block, so that a program looping over the
-  blocks holds a few copies of a tick, not one per run."""
-  runs, start = [], 0
-  for t in range(1, len(flags) + 1):
-    if t == len(flags) or flags[t] != flags[start]:
-      runs.append(t - start)
-      start = t
-  blocks, i, start = [], 0, 0
-  while i < len(runs):
-    pair = tuple(runs[i:i + 2])
-    repeats = 1
-    while len(pair) == 2 and tuple(runs[i + 2 * repeats:i + 2 * repeats + 2]) == pair:
-      repeats += 1
-    if repeats == 1:
-      pair = pair[:1]
-    blocks.append((start, pair, repeats))
-    start += sum(pair) * repeats
-    i += len(pair) * repeats
-  return blocks
+def tick_runs(flags: np.ndarray) -> list[tuple[int, int]]:
+  """(start, length) of each run of ticks with equal `flags`, in order."""
+  starts = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist(), len(flags)]
+  return [(a, b - a) for a, b in zip(starts, starts[1:])]
 
 
 def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:

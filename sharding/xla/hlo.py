@@ -187,6 +187,16 @@ def callees(ins: Instr) -> list[str]:
   return names + [c for _, c in _WHILE_PART.findall(ins.attrs)]
 
 
+def count_within(comps: dict[str, list[Instr]], comp: str, matches) -> int:
+  """Instructions for which matches(instruction) holds in computation `comp` and in what it
+  calls, each called computation counted at every call (a run of `comp` executes them all)."""
+  def count(name, path):
+    return sum(bool(matches(ins)) + sum(count(c, (*path, name)) for c in callees(ins)
+                                        if c in comps and c not in path)
+               for ins in comps.get(name, []))
+  return count(comp, ())
+
+
 def operands(ins: Instr) -> list[str]:
   """Operand names, printed as "%name" (or "type %name" in older text)."""
   text = "(" + ins.attrs
