@@ -187,14 +187,10 @@ def callees(ins: Instr) -> list[str]:
   return names + [c for _, c in _WHILE_PART.findall(ins.attrs)]
 
 
-def count_within(comps: dict[str, list[Instr]], comp: str, matches) -> int:
-  """Instructions for which matches(instruction) holds in computation `comp` and in what it
-  calls, each called computation counted at every call (a run of `comp` executes them all)."""
-  def count(name, path):
-    return sum(bool(matches(ins)) + sum(count(c, (*path, name)) for c in callees(ins)
-                                        if c in comps and c not in path)
-               for ins in comps.get(name, []))
-  return count(comp, ())
+def count_within(comps: dict[str, list[Instr]], comp: str, matches, path=()) -> int:
+  """Instructions where matches(instruction) in `comp` and what it calls, at every call."""
+  return sum(bool(matches(i)) + sum(count_within(comps, c, matches, (*path, comp))
+             for c in callees(i) if c in comps and c not in path) for i in comps.get(comp, []))
 
 
 def operands(ins: Instr) -> list[str]:
