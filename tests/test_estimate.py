@@ -309,9 +309,10 @@ def test_the_estimator_takes_auto_attention_as_flash():
 
 def test_meshtron_stages_keep_a_stash_of_chunk_inputs_and_recompute_one_chunk():
   """meshtron's executor keeps an input and a received gradient per chunk and slot (slots: AFAB m,
-  1F1B min(m, p), interleaved min(m, 2p), the tables' own count) and recomputes one chunk for one
-  microbatch in its backward: activations = 2 v slots b s h e (/ t under SP) + that chunk's
-  layers' activations for one microbatch."""
+  1F1B min(m, p), interleaved min(m, 2p), the tables' own count), position 0's input gradient
+  per microbatch (the embedding's, differentiated after the ticks), and recomputes one chunk for
+  one microbatch in its backward: activations = (2 v slots + m) b s h e (/ t under SP) + that
+  chunk's layers' activations for one microbatch."""
   for kind, p, m, v in (("afab", 4, 8, 1), ("1f1b", 4, 2, 1), ("1f1b", 4, 8, 1),
                         ("interleaved_1f1b", 4, 4, 2), ("interleaved_1f1b", 4, 16, 3),
                         ("zero_bubble", 4, 8, 1), ("zbv", 4, 8, 2), ("dualpipev", 2, 8, 2)):
@@ -323,7 +324,7 @@ def test_meshtron_stages_keep_a_stash_of_chunk_inputs_and_recompute_one_chunk():
     lay = Layout(pipeline=4, tensor=t, sequence_parallel=sp, microbatches=16,
                  pipeline_schedule="interleaved_1f1b", virtual_stages=2)
     one_layer = layer_activation_bytes(activation_terms(model, 2), 4096, 4096, lay, "none")
-    stash = 2 * 2 * 8 * 4096 * model.embed_dim * 2 / t
+    stash = (2 * 2 * 8 + 16) * 4096 * model.embed_dim * 2 / t
     assert memory(model, lay, 4096, PLAYBOOK_MIXED).activations == pytest.approx(
         stash + one_layer * model.num_layers / 4 / 2)
 

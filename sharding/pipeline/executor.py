@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 
 from sharding.pipeline import schedules as sched
 from sharding.pipeline.head_pieces import HeadPieces
+from sharding.pipeline.shared_grads import Leaves, embedding_grads
 from sharding.scope import excluding
 
 
@@ -18,7 +19,8 @@ from sharding.scope import excluding
 class StageFns:
   """The model cut into pipeline pieces (pure functions of their parameters).
 
-  first(shared, microbatch) -> x: the embedding (position 0 of the pipeline).
+  first(shared, microbatch) -> x: the embedding (position 0 of the pipeline); row by row, so its
+    gradient is taken on several microbatches' rows at once (sharding/pipeline/shared_grads.py).
   stage(shared, chunk, x, microbatch, present, quantized) -> (x, loss_sum, stats, row_stats): one
     chunk of layers (`chunk`: {stack: weights with a leading layers dim}; `shared` is passed so
     the model can be rebuilt, its gradient through `stage` is 0; `present`: {stack: the chunk's
@@ -160,6 +162,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   if fns.last is not None:
     stats_shape = {**stats_shape, **jax.eval_shape(fns.last, shared, x, first_mb)[1]}
   stats_shape = {**stats_shape, **stage_stats}
+  head_reads = Leaves.read_by(fns.head, shared, piece_of(x, 0),
+                              jax.tree.map(lambda a: piece_of(a, 0), first_mb))
+  last_reads = None if fns.last is None else Leaves.read_by(fns.last, shared, x, first_mb)
   # Every value here differs per stage (and replica): zeros too are typed as varying over the
   # manual axes, so the branches of the per-stage switch agree on their types.
   vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, manual, to="varying"), tree)
@@ -178,7 +183,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                shared_acc=summed(shared, shared_max),
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
-                   lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)))
+                   lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)),
+               embedded=vary(jnp.zeros((len(jax.tree.leaves(data)[0]), *act.shape), act.dtype)))
 
   def full(stats):  # a piece's stats among all of them (zeros for the others'), varying
     return {k: z + stats[k] if k in stats else z for k, z in zeros(stats_shape).items()}
@@ -186,9 +192,10 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   def varying(row_stats):  # the same type from every piece (a constant is not varying)
     return jax.tree.map(jnp.add, zeros(row_shape), row_stats)
 
-  def add_shared(acc, d):  # one piece's shared gradients into their sums (fp8 histories: max)
-    return jax.tree.map(lambda m, a, g: jnp.maximum(a, g) if m else a + g.astype(a.dtype),
-                        shared_max, acc, d)
+  def add_shared(acc, reads, d):  # a piece's gradients of the shared leaves it reads (the
+    # values of `reads`) into their sums; fp8 histories: max
+    return reads.put(acc, list(zip(d, reads.take(shared_max))), lambda a, g: jnp.maximum(
+        a, g[0]) if g[1] else a + g[0].astype(a.dtype))
 
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
@@ -196,7 +203,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     carry["layer_acc"] = jax.tree.map(
         lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d.astype(a.dtype)),
         layer_max, carry["layer_acc"], d_layers)
-    carry["shared_acc"] = add_shared(carry["shared_acc"], d_shared)
+    if d_shared is not None:
+      carry["shared_acc"] = add_shared(carry["shared_acc"], last_reads, d_shared)
     carry["loss"] = carry["loss"] + loss
     carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
@@ -212,6 +220,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     no_loss = vary(jnp.zeros((), jnp.float32))
     none_stats, no_rows = zeros(stats_shape), zeros(row_shape)
+    # Only the multi-token prediction after the last position adds to the shared gradients here.
+    no_shared = None if fns.last is None else zeros(last_reads.take(shared))
     # where = 0 middle, 1 first, 2 last position of the whole pipeline
     where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
 
@@ -220,20 +230,18 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return (y, loss), (stats, row_stats)
 
     def vjps(wrt_params: bool, wrt_x: bool):
-      """(d_chunk, d_shared, dx, loss, stats, row stats) of this microbatch's stage by
-      recomputation; every loss it adds gets the cotangent 1."""
+      """(d_chunk, d_shared or None, dx, loss, stats, row stats) of this microbatch's stage by
+      recomputation; every loss it adds gets the cotangent 1. At position 0, dx is the
+      embedding's output gradient: `run` keeps it, and the table's gradient is taken once after
+      the ticks (a table-sized gradient per tick was added to its float32 sum at every tick,
+      in lock step: 2.4 of the 70B TP4 PP8 VP5 program's 45.9 ms a tick)."""
+      x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
 
       def middle():
         (_, loss), pullback, (stats, row_stats) = jax.vjp(
-            lambda p, x: stage(shared, p, x), chunk, x, has_aux=True)
+            lambda p, x: stage(shared, p, x), chunk, x_in, has_aux=True)
         d_chunk, dx = pullback((g, jnp.ones_like(loss)))
-        return d_chunk, zeros(shared), dx, no_loss + loss, full(stats), varying(row_stats)
-
-      def first():
-        (_, loss), pullback, (stats, row_stats) = jax.vjp(
-            lambda s, p: stage(s, p, fns.first(s, mb)), shared, chunk, has_aux=True)
-        d_shared, d_chunk = pullback((g, jnp.ones_like(loss)))
-        return d_chunk, d_shared, nothing, no_loss + loss, full(stats), varying(row_stats)
+        return d_chunk, no_shared, dx, no_loss + loss, full(stats), varying(row_stats)
 
       def last():  # g: the head's gradient (the head ran after this microbatch's forward)
         def through_last(s, p, x):
@@ -241,15 +249,16 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
           extra_loss, extra_stats = fns.last(s, y, mb)
           return (y, loss + extra_loss), ({**stats, **extra_stats}, row_stats)
 
-        (_, loss), pullback, (stats, row_stats) = jax.vjp(through_last, shared, chunk, x,
-                                                          has_aux=True)
+        (_, loss), pullback, (stats, row_stats) = jax.vjp(
+            lambda w, p, x: through_last(last_reads.put(shared, w), p, x),
+            last_reads.take(shared), chunk, x_in, has_aux=True)
         d_shared, d_chunk, dx = pullback((g, jnp.ones_like(loss)))
         return d_chunk, d_shared, dx, no_loss + loss, full(stats), varying(row_stats)
 
-      d_chunk, d_shared, dx, loss, stats, row_stats = jax.lax.switch(
-          where, (middle, first, middle if fns.last is None else last))
+      d_chunk, d_shared, dx, loss, stats, row_stats = (
+          middle() if fns.last is None else jax.lax.cond(where == 2, last, middle))
       if not wrt_params:
-        d_chunk, d_shared = zeros(chunk), zeros(shared)
+        d_chunk, d_shared = zeros(chunk), no_shared
       if not wrt_x:
         dx = nothing
       return d_chunk, d_shared, dx, loss, stats, row_stats
@@ -257,7 +266,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     # The branches return what to add to the accumulators, never the accumulators: a buffer
     # passed through a conditional is copied whole in every branch that does not update it
     # (the 70B TP4 PP8 VP5 program copied its stage's gradients 12 times a tick).
-    no_part = (zeros(chunk), zeros(shared), no_loss, none_stats, no_rows)
+    no_part = (zeros(chunk), no_shared, no_loss, none_stats, no_rows)
 
     def idle():
       return no_part, nothing
@@ -275,9 +284,13 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: backward,
                 sched.BACKWARD_INPUT: lambda: backward(wrt_params=False),
                 sched.BACKWARD_WEIGHT: lambda: backward(wrt_x=False, count_loss=False)}
-    # Only the operations this schedule uses are compiled (each backward holds three vjps).
+    # Only the operations this schedule uses are compiled (a backward holds a vjp; two with MTP).
     branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
     part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
+    if {sched.BACKWARD, sched.BACKWARD_INPUT} & set(ops):  # position 0's input gradient: kept
+      keep = (position == 0) & ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT))
+      kept = carry["embedded"]
+      carry = dict(carry, embedded=kept.at[m].set(jnp.where(keep, message, kept[m])))
     if set(ops) <= {sched.IDLE, sched.FORWARD}:  # no gradients (paired_1f1b's forward slot):
       return carry, message  # adding its zeros took a pass over the chunk's sums every tick
     return accumulate(carry, c, *part), message
@@ -293,19 +306,19 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     def on_piece():
       mb = jax.tree.map(lambda a: piece_of(a[m], me), data)
       mine = pieces.scatter(y)
-      loss, pullback, stats = jax.vjp(lambda s, h: fns.head(s, h, mb), shared, mine,
-                                      has_aux=True)
+      loss, pullback, stats = jax.vjp(lambda w, h: fns.head(head_reads.put(shared, w), h, mb),
+                                      head_reads.take(shared), mine, has_aux=True)
       d_shared, d_mine = pullback(jnp.ones_like(loss))
       dy = pieces.gather(d_mine)
       return d_shared, no_loss + loss, full(stats), dy
 
     def none():
-      return zeros(shared), no_loss, zeros(stats_shape), zeros(act)
+      return zeros(head_reads.take(shared)), no_loss, zeros(stats_shape), zeros(act)
 
     d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
     carry = dict(carry, loss=carry["loss"] + loss,
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
-                 shared_acc=add_shared(carry["shared_acc"], d_shared))
+                 shared_acc=add_shared(carry["shared_acc"], head_reads, d_shared))
     slot, buffer = m % slots, carry["grads"]
     carry["grads"] = buffer.at[c, slot].set(jnp.where(runs & (me == pieces.holder), dy,
                                                       buffer[c, slot]))
@@ -347,6 +360,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
     carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
                             start + jnp.arange(length))
+  shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], carry["shared_acc"],
+                               add_shared)
   # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
   # over stages and replicas (the rest).
   def reduce(tree, axes, by_max=None):
@@ -362,7 +377,6 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
   as_params = lambda tree, like: jax.tree.map(lambda a, p: a.astype(p.dtype), tree, like)
   return (rows_of(as_params(reduce(carry["layer_acc"], replica_axes, layer_max), local)),
-          as_params(reduce(carry["shared_acc"], manual, shared_max), shared),
+          as_params(reduce(shared_acc, manual, shared_max), shared),
           reduce(carry["loss"], manual),
           reduce(carry["stats"], manual), rows_of(reduce(carry["row_acc"], replica_axes)))
-

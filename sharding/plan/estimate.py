@@ -370,8 +370,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
            stages_recompute: bool = True) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
-  `stages_recompute`: meshtron's pipeline executor's stash (schedules.executor_stash) and one chunk
-  recomputed at a time in a backward; False: every in-flight microbatch's activations (Megatron)."""
+  `stages_recompute`: meshtron's executor's stash (schedules.executor_stash, position 0's input
+  gradients), one chunk recomputed per backward; False: all in-flight activations (Megatron)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
@@ -382,9 +382,9 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
   schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
   in_flight, stash, head = schedules.in_flight_microbatches(*schedule), 0.0, 1.0
-  if lay.pipeline > 1 and stages_recompute:
-    stash = schedules.executor_stash(*schedule) * tokens * m.embed_dim * precision.act_bytes / (
-        lay.tensor if lay.sequence_parallel else 1)
+  if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
+    stash = (schedules.executor_stash(*schedule) + lay.microbatches) * tokens * m.embed_dim * \
+        precision.act_bytes / (lay.tensor if lay.sequence_parallel else 1)
     in_flight, head = 1 / lay.virtual_stages, 1 / lay.pipeline  # each stage: its head tokens
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
