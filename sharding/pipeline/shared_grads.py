@@ -50,8 +50,11 @@ def embedding_grads(first, shared, data, embedded, acc, add):
   reads = Leaves.read_by(first, shared, jax.tree.map(lambda a: a[0], data))
   wide = [w.astype(a.dtype) for w, a in zip(reads.take(shared), reads.take(acc))]
 
-  def one(acc, i):
-    rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i * group, group).reshape(-1, *a.shape[2:])
+  def one(acc, i):  # [group, b, ...] -> [b * group, ...]: b major, so rows split over an axis
+    # (`expert`) stay split; [group * b] was not a tiling of b's split, so XLA gathered every
+    # tick's kept rows over `expert` to make the buffer whole.
+    rows = lambda a: jnp.swapaxes(jax.lax.dynamic_slice_in_dim(a, i * group, group), 0, 1
+                                  ).reshape(-1, *a.shape[2:])
     y, pullback = jax.vjp(lambda w: first(reads.put(shared, w), jax.tree.map(rows, data)), wide)
     return add(acc, reads, pullback(rows(embedded).astype(y.dtype))[0]), None
   return jax.lax.scan(one, acc, jnp.arange(count // group))[0]
