@@ -184,7 +184,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
                    lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)),
-               embedded=vary(jnp.zeros((len(jax.tree.leaves(data)[0]), *act.shape), act.dtype)))
+               embedded=vary(jnp.zeros((schedule.microbatches, *act.shape), act.dtype)))
 
   def full(stats):  # a piece's stats among all of them (zeros for the others'), varying
     return {k: z + stats[k] if k in stats else z for k, z in zeros(stats_shape).items()}
@@ -192,10 +192,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   def varying(row_stats):  # the same type from every piece (a constant is not varying)
     return jax.tree.map(jnp.add, zeros(row_shape), row_stats)
 
-  def add_shared(acc, reads, d):  # a piece's gradients of the shared leaves it reads (the
-    # values of `reads`) into their sums; fp8 histories: max
-    return reads.put(acc, list(zip(d, reads.take(shared_max))), lambda a, g: jnp.maximum(
-        a, g[0]) if g[1] else a + g[0].astype(a.dtype))
+  def add_shared(acc, reads, d):  # a piece's gradients `d` of the shared leaves it reads
+    def add(a, grad_and_by_max):  # into their sums; fp8 histories: max
+      g, by_max = grad_and_by_max
+      return jnp.maximum(a, g) if by_max else a + g.astype(a.dtype)
+    return reads.put(acc, list(zip(d, reads.take(shared_max))), add)
 
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
@@ -225,6 +226,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     # where = 0 middle, 1 first, 2 last position of the whole pipeline
     where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
 
+    def stage_input():  # the embedding at position 0, else the received activation
+      return jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
+
     def stage(s, p, x):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
       y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
       return (y, loss), (stats, row_stats)
@@ -235,7 +239,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       embedding's output gradient: `run` keeps it, and the table's gradient is taken once after
       the ticks (a table-sized gradient per tick was added to its float32 sum at every tick,
       in lock step: 2.4 of the 70B TP4 PP8 VP5 program's 45.9 ms a tick)."""
-      x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
+      x_in = stage_input()
 
       def middle():
         (_, loss), pullback, (stats, row_stats) = jax.vjp(
@@ -272,8 +276,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return no_part, nothing
 
     def forward():  # at the last position its output goes to the head, not to a stage
-      x_in = jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
-      return no_part, fns.stage(shared, chunk, x_in, mb, rows, chunk_quantized)[0]
+      return no_part, fns.stage(shared, chunk, stage_input(), mb, rows, chunk_quantized)[0]
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
