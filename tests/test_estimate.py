@@ -357,24 +357,3 @@ def test_fp8_training_prices_the_layers_gemms_on_fp8_tensor_cores():
   fp8_playbook = precision_by_name("playbook_fp8")
   assert fp8_playbook.fp8_layers and dataclasses.replace(
       fp8_playbook, name=PLAYBOOK_MIXED.name, fp8_layers=False) == PLAYBOOK_MIXED
-
-
-def test_pipelined_steps_price_the_executors_lockstep_ticks():
-  """The forward share (2 x params a layer and token, the scores once, the head 2 x 1,600)
-  weighs the ticks: meshtron's executor (a stage recomputes its chunk in the backward) pays
-  schedules.lockstep_ratio; nanotron's stages (lockstep=False) the bubble's 1 + bubble_ratio;
-  unpipelined layouts the same either way."""
-  forward = hardware.flops_split(SMALL, Layout(), SEQ, forward_only=True)
-  assert forward == pytest.approx((SEQ * 2 * 2 * 2304, SEQ * (2 * 768 / 3 + 2 * 1600)))
-  hw, pipe = hardware.PROFILES["h100"], Layout(pipeline=2, microbatches=4)
-  times = {(lay.pipeline, lockstep): hardware.step_time(SMALL, lay, SEQ, PLAYBOOK_MIXED, hw,
-                                                        lockstep=lockstep)
-           for lay in (Layout(microbatches=4), pipe) for lockstep in (True, False)}
-  assert times[1, True] == times[1, False]
-  backward = 1 - sum(hardware.flops_split(SMALL, pipe, SEQ, forward_only=True)) / sum(
-      hardware.flops_split(SMALL, pipe, SEQ))
-  assert 0.7 < backward < 0.8  # the layers' 6 of 8: forward, backward and the recomputation
-  assert times[2, True].bubble_s / times[2, False].bubble_s == pytest.approx(
-      (schedules.lockstep_ratio("1f1b", 2, 4, 1, round(backward, 3)) - 1) /
-      bubble_ratio("1f1b", 2, 4))
-  assert times[2, True].step_s > times[2, False].step_s

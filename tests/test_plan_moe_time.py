@@ -80,3 +80,33 @@ def test_an_exchange_inside_a_node_keeps_the_nvlink_ring():
   assert st.comm_s["expert"] == pytest.approx(
       exchange.wire_bytes / (H100.intra_node_bandwidth * H100.collective_efficiency)
       + exchange.ring_steps * H100.intra_latency_s)
+
+
+@pytest.mark.parametrize("expert, capacity, rows", [(4, 2.0, 2.0), (4, 1.0, 1.0), (4, 0.0, 4.0),
+                                                     (8, 0.0, 4.0), (8, 9.0, 4.0), (1, 2.0, 1.0)])
+def test_the_grouped_matmul_runs_over_the_exchange_buffers_rows(expert, capacity, rows):
+  """sharding/expert.py sizes a peer's rows at exchange_capacity x the balanced share, top-2 of
+  8 experts: worst case (capacity 0, or above it) every assignment of a peer to this device,
+  min(2, 8 / n) of a token's 2 copies from each of n peers: n x min(2, 8/n) / 2 = 4 rows per
+  routed row on 4 or 8 devices. Without `expert` the rows are the device's own. The routed
+  experts' time grows by that ratio, nothing else does."""
+  spec = dataclasses.replace(DROPLESS, moe=dataclasses.replace(DROPLESS.moe,
+                                                               exchange_capacity=capacity))
+  layout = Layout(expert=expert, micro_batch=expert, microbatches=1)
+  assert hardware.grouped_rows_ratio(spec, layout) == rows
+  balanced = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, exchange_capacity=1.0))
+  padded, exact = (hardware.step_time(m, layout, SEQ, PRECISION, H100) for m in (spec, balanced))
+  linear, _ = hardware.flops_split(spec, layout, SEQ)
+  routed = linear * hardware.grouped_share(spec)
+  extra = routed * (rows - 1) / H100.peak_bf16_flops * (
+      H100.gemm_peak_fraction / H100.grouped_matmul_fraction) / H100.matmul_efficiency
+  assert padded.compute_s - exact.compute_s == pytest.approx(extra)
+  assert padded.comm_s == exact.comm_s
+
+
+def test_the_model_config_s_exchange_capacity_reaches_the_spec():
+  from configs import moe
+  cfg = moe.debug_moe()
+  assert model_spec(cfg.model).moe.exchange_capacity == cfg.model.moe.exchange_capacity == 2.0
+  cfg.model.moe = dataclasses.replace(cfg.model.moe, exchange_capacity=1.5)
+  assert model_spec(cfg.model).moe.exchange_capacity == 1.5

@@ -13,7 +13,6 @@ from sharding.plan import context_parallel
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
 DEFAULT_WORKSPACE_BYTES = 1.5e9
-SCHEDULES = schedules.SCHEDULES
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 
@@ -28,6 +27,7 @@ class MoESpec:
   shared_experts: int = 0  # always-active experts of the same size (DeepSeek style)
   dense_layers: int = 0
   dispatch: str = "dropping"  # models.config's; dropless runs our grouped matmul on GPUs
+  exchange_capacity: float = 2.0  # models.config's: the exchange's buffer rows, per balanced row
 
 
 def attention_span(seq_len: int, window: int = 0, full_every: int = 0) -> float:
@@ -147,9 +147,8 @@ class ModelSpec:
 ESTIMATOR_MODELS = {
     # Mixtral 8x7B (arXiv:2401.04088): 46.7B parameters, 12.9B active.
     "mixtral_8x7b": ModelSpec(vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32,
-                              num_kv_heads=8, head_dim=128, mlp_dim=14_336,
-                              moe=MoESpec(num_experts=8, experts_per_token=2,
-                                          expert_mlp_dim=14_336)),
+                              num_kv_heads=8, head_dim=128, mlp_dim=14_336, moe=MoESpec(
+                                  num_experts=8, experts_per_token=2, expert_mlp_dim=14_336)),
 }
 
 
@@ -165,7 +164,8 @@ def model_spec(model, compute=None) -> ModelSpec:
     moe = MoESpec(moe.num_experts, getattr(moe, "experts_per_token", None) or moe.top_k,
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
                   getattr(moe, "shared_experts", 0) if shared is None else shared,
-                  getattr(moe, "first_dense_layers", 0), getattr(moe, "dispatch", "dropping"))
+                  getattr(moe, "first_dense_layers", 0), getattr(moe, "dispatch", "dropping"),
+                  getattr(moe, "exchange_capacity", 2.0))
   # Compute settings from `compute` (a ComputeConfig by field names; None: its defaults). "auto"
   # is flash: GPUs are what the estimator plans for (a CPU run passes its resolved impl).
   impl = getattr(compute, "attention_impl", "auto")
@@ -258,9 +258,8 @@ class ParamCounts:
 
 
 def stage_layers(model: ModelSpec, layout: Layout) -> float:
-  """Layer rows the most loaded pipeline stage stores and runs: L / pipeline when the stages
-  divide the layers, else the padded stack's share (sharding/pipeline/stage_split.py, e.g. 8 for 126
-  layers on 16 stages); all L without pipeline stages."""
+  """Layer rows the most loaded pipeline stage stores and runs: L / pipeline, or the padded
+  stack's share (pipeline/stage_split.py: 8 for 126 layers on 16 stages); L without stages."""
   return layout.layers_per_device(model.num_layers)
 
 

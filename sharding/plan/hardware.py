@@ -228,6 +228,19 @@ def grouped_share(model) -> float:
   return m.num_layers * m.expert_params(per_token=True) / per_layer
 
 
+def grouped_rows_ratio(model, layout: Layout) -> float:
+  """Rows the grouped matmul runs over per routed row: with the experts split over `expert`, the
+  exchange's receive buffer, `exchange_capacity` x a device pair's balanced share from each peer
+  (0: the worst case, all of a peer's assignments to this device), as sharding/expert.py sizes
+  it; the compiled-program model prices the kernel over all of its buffer's rows. 1 without."""
+  m, lay = model_spec(model), layout
+  if not m.moe or lay.expert <= 1:
+    return 1.0
+  k, n = m.moe.experts_per_token, lay.expert
+  worst = n * min(k, m.moe.num_experts // n) / k
+  return min(worst, m.moe.exchange_capacity) if m.moe.exchange_capacity else worst
+
+
 def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, int]:
   """{axis: how many of its group's members share a node}: inner axes fill a node first, so an
   axis inside a node has all its members there (the group size) and one that spans nodes the
@@ -253,14 +266,18 @@ class StepTime:
 
 def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
               order: tuple = AXES, stages_recompute: bool = True,
-              lockstep: bool = True) -> StepTime:
+              lockstep: bool = True, blocking_sends: bool = False) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
   kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
   optimizer update at HBM bandwidth. `stages_recompute`: as in hardware_flops_per_device (False
   for trainers whose stages store activations, nanotron's in the playbook's sweep). `lockstep`:
   the pipeline's ticks as meshtron's executor runs them (schedules.lockstep_ratio; False for
-  trainers whose stages run each operation as its inputs arrive, as nanotron's)."""
+  trainers whose stages run each operation as its inputs arrive, as nanotron's). `blocking_sends`:
+  a cross-node pipeline hop costs `pipeline_hop_s`, the playbook's nanotron runs' blocking send
+  per microbatch (their sweep); meshtron's executor sends by asynchronous collective permutes
+  inside its ticks, priced as any collective across nodes (bytes and latency), as the
+  compiled-program model prices them (sharding/xla/step_time.py)."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
   # fp8 training's layer GEMMs run on the fp8 tensor cores (2x the bf16 peak on an H100), as
@@ -271,10 +288,11 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   routed = linear * grouped_share(m)
   # Dropless MoE runs its routed experts on our Pallas grouped matmul, which reaches
   # grouped_matmul_fraction of the bf16 peak where dense GEMMs reach gemm_peak_fraction (both
-  # measured, profiles.py): their matmuls take that much longer than the efficiency's dense ones.
-  compute = ((linear - routed) / linear_peak + rest / peak + routed / peak * (
-      hw.gemm_peak_fraction / hw.grouped_matmul_fraction)) / hw.matmul_efficiency + \
-      passes * hw.layer_overhead_s
+  # measured, profiles.py): their matmuls take that much longer than the efficiency's dense ones,
+  # over the exchange buffer's rows.
+  compute = ((linear - routed) / linear_peak + rest / peak + routed * grouped_rows_ratio(m, lay)
+             / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
+      hw.matmul_efficiency + passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
   for c in collectives(m, lay, seq_len, precision):
@@ -287,7 +305,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     link = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth)
     bw = (hw.intra_node_bandwidth if inside else link) * hw.collective_efficiency
     latency = hw.intra_latency_s if inside else (
-        hw.pipeline_hop_s if c.phase == "pipeline" else hw.inter_latency_s)
+        hw.pipeline_hop_s if c.phase == "pipeline" and blocking_sends else hw.inter_latency_s)
     if c.kind == "all-to-all" and c.phase == "expert" and not inside:
       t = exchange_seconds(c, per_node, hw)
     else:
