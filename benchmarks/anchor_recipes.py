@@ -170,7 +170,9 @@ ANCHORS = (
                 expert=64, sequence_parallel=True, zero_stage=1),
            8192, 4096, 128, "selective",
            PAIRED + " force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
-           " (meshtron: selective, every layer)", compute=_fp8(), routing=_FORCE_BALANCED,
+           " (meshtron: remat=selective, which its stages' unrolled chunks of 2 layers run as"
+           " none: the executor recomputes each chunk's forward in its backward)",
+           compute=_fp8(), routing=_FORCE_BALANCED,
            master_weights=True),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
            " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"

@@ -18,10 +18,8 @@ from models import mtp
 from models.mlp import MLP
 from models.moe import MoE, summarize
 from sharding import Layout, constrain, local_layout
+from sharding.layout import UNROLLED_STAGE_GROUPS
 
-# The most layer groups a pipeline stage's chunk runs unrolled (`Transformer._run`); interleaved
-# and V schedules cut the stack into chunks of 1-4 layers.
-UNROLLED_STAGE_GROUPS = 4
 
 
 class DecoderBlock(nnx.Module):
@@ -194,8 +192,9 @@ class Transformer(nnx.Module):
       raise ValueError(f"mtp_hidden got {len(tokens_ahead)} depths of tokens for a model with"
                        f" model.mtp_depth={self.config.mtp_depth}")
     embeddings = [self.embed_tokens(tokens) for tokens in tokens_ahead]
+    # In a pipeline stage (the last) the modules' pullback lives within one tick, as a chunk's.
     heads, stats = mtp.run(self.mtp, embeddings, x_BLD, positions_BL, segment_ids_BL,
-                           self.compute.remat)
+                           "none" if self.layout.in_pipeline_stage else self.compute.remat)
     if stats[0] is None:
       return heads, {}
     return heads, summarize(jax.tree.map(lambda *a: jnp.stack(a), *stats), len(stats))
@@ -272,13 +271,17 @@ class Transformer(nnx.Module):
     # layer's residuals for its backward and sliced each layer's weights, copies that took 3.2
     # of the 70B TP4 PP8 VP5 step's 38 s (2 layers a chunk). Longer stacks stay scanned, which
     # keeps the compile time flat in the depth.
-    scanned = self.compute.scan_layers and not (
-        self.layout.in_pipeline_stage and groups <= UNROLLED_STAGE_GROUPS and not accumulating)
-    # Not checkpointed: a pipeline stage's unrolled chunk under remat="none". Its pullback
-    # lives within one tick (the executor differentiates the chunk in its backward tick), and
-    # jax.checkpoint saves no residual of a custom_vjp (the flash kernel's, a region nested in
-    # the stage: sharding.shard_map.stage_shard_map), so each ran its forward a second time.
-    if scanned or self.compute.remat != "none" or not self.layout.in_pipeline_stage:
+    unrolled_chunk = self.layout.in_pipeline_stage and groups <= UNROLLED_STAGE_GROUPS and \
+        not accumulating
+    scanned = self.compute.scan_layers and not unrolled_chunk
+    # Not checkpointed, whatever compute.remat says: a pipeline stage's unrolled chunk
+    # (Layout.stage_remat). Its pullback lives within one tick: the executor recomputes the
+    # chunk's forward in its backward tick and differentiates it at once, so a layer
+    # checkpoint only ran each layer's forward a third time (the DeepSeek-V3 recipe's MoE
+    # exchanges too), and jax.checkpoint saves no residual of a custom_vjp (the flash kernel's,
+    # a region nested in the stage: sharding.shard_map.stage_shard_map).
+    if not unrolled_chunk and (scanned or self.compute.remat != "none"
+                               or not self.layout.in_pipeline_stage):
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
                             prevent_cse=not scanned)
     if accumulating:

@@ -26,6 +26,9 @@ from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_row
 from sharding.scope import active, use_rules
 
 REMATS = ("none", "selective", "full")
+# The most layer groups a pipeline stage's chunk runs unrolled (models/transformer.py); interleaved
+# and V schedules cut the stack into chunks of 1-4 layers.
+UNROLLED_STAGE_GROUPS = 4
 # Input aliases (the playbook's names and short switch names) -> Layout fields.
 ALIASES = {"dp": "data", "pp": "pipeline", "ep": "expert", "cp": "context", "tp": "tensor",
            "zero": "zero_stage", "sp": "sequence_parallel", "schedule": "pipeline_schedule",
@@ -99,6 +102,13 @@ class Layout:
     stack's share (virtual stages x the largest position) when not."""
     counts = self.stage_split(num_layers)
     return max(counts) * self.virtual_stages if counts else num_layers
+
+  def stage_remat(self, num_layers: int) -> str:
+    """The recomputation a layer runs: `remat`, but none in a pipeline stage's unrolled chunk.
+    The executor recomputes a chunk's forward in its backward tick and takes its pullback at
+    once; a layer checkpoint there would run each forward a third time (models/transformer.py)."""
+    chunk = self.layers_per_device(num_layers) / self.virtual_stages
+    return "none" if self.pipeline > 1 and chunk <= UNROLLED_STAGE_GROUPS else self.remat
 
   @property
   def num_devices(self) -> int:

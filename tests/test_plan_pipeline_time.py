@@ -1,6 +1,8 @@
 """The analytic step time of pipelined layouts (sharding/plan/hardware.py): meshtron's executor
 against nanotron's stages, on the small model of tests/test_estimate.py."""
 
+import dataclasses
+
 import pytest
 
 from sharding.layout import Layout
@@ -52,3 +54,40 @@ def test_cross_node_pipeline_hops_block_only_in_nanotrons_runs():
     assert {k: v for k, v in nanotron.comm_s.items() if k != "pipeline"} == \
         {k: v for k, v in meshtron.comm_s.items() if k != "pipeline"}
     assert (extra > 0) == (lay is across)
+
+
+def test_an_unrolled_chunk_is_priced_without_its_layers_recomputation():
+  """Layout.stage_remat: in a pipeline stage whose chunk holds at most UNROLLED_STAGE_GROUPS
+  layers the executor's recomputation is the only one (models/transformer.py), so remat
+  selective or full prices and stores as none there; with longer chunks, and for nanotron's
+  stages (stages_recompute=False), remat stays what it says."""
+  from sharding.layout import UNROLLED_STAGE_GROUPS
+  from sharding.plan.estimate import memory
+  assert UNROLLED_STAGE_GROUPS == 4
+  short = Layout(pipeline=2, microbatches=4)  # SMALL's 2 layers: 1 a stage
+  long_chunks = dataclasses.replace(SMALL, num_layers=16)  # 8 a stage
+  for remat in ("selective", "full"):
+    lay = dataclasses.replace(short, remat=remat)
+    none = dataclasses.replace(short, remat="none")
+    assert lay.stage_remat(SMALL.num_layers) == "none"
+    assert lay.stage_remat(long_chunks.num_layers) == remat
+    assert Layout(remat=remat).stage_remat(SMALL.num_layers) == remat  # no stages
+    assert hardware.flops_split(SMALL, lay, SEQ) == hardware.flops_split(SMALL, none, SEQ)
+    assert memory(SMALL, lay, SEQ) == memory(SMALL, none, SEQ)
+    assert hardware.flops_split(SMALL, lay, SEQ, stages_recompute=False) != \
+        hardware.flops_split(SMALL, none, SEQ, stages_recompute=False)
+    assert hardware.flops_split(long_chunks, lay, SEQ) != \
+        hardware.flops_split(long_chunks, none, SEQ)
+
+
+def test_plan_lists_an_unrolled_chunks_program_once():
+  """Where remat selective or full would run as none (an unrolled chunk), `plan` lists the
+  layout once, as remat=none, and still lists each remat where a stage's layers are scanned."""
+  from sharding.plan import planner
+  hw = hardware.PROFILES["h100"]
+  for layers, remats in ((8, {"none"}), (64, {"none", "selective", "full"})):
+    model = dataclasses.replace(SMALL, num_layers=layers)
+    result = planner.plan(model, 8, SEQ, 64 * SEQ, PLAYBOOK_MIXED, hw)
+    staged = [c.layout for c in result.ranked if c.layout.pipeline == 2
+              and c.layout.virtual_stages == 1]
+    assert {lay.remat for lay in staged} == remats, layers

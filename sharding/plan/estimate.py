@@ -378,7 +378,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
   terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
-  per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
+  remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
+  per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, remat)
   schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
   in_flight, stash, head = schedules.in_flight_microbatches(*schedule), 0.0, 1.0
   if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
@@ -391,9 +392,9 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
   logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (head + m.mtp_depth)
   temporaries = workspace_bytes
-  if lay.remat != "none":  # the layer being recomputed in the backward pass
+  if remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \
-        layer_activation_bytes(terms, tokens, seq_len, lay, lay.remat)
+        layer_activation_bytes(terms, tokens, seq_len, lay, remat)
   if shards(lay)[0] > 1:  # ZeRO-3: the gathered layer and the prefetched next one
     temporaries += 2 * counts.layer_matrices * precision.param_bytes
   return Memory(params, grads, optimizer, activations, logits, temporaries)

@@ -203,8 +203,9 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
   per_layer = (m.active_matmul_params() - m.vocab_size * m.embed_dim) / m.num_layers
   attention = m.attention_flops(seq_len)
-  forwards = {"none": 0, "selective": 0, "full": 1}[lay.remat]  # linear forwards recomputed
-  scores = {"none": 0.0, "selective": attention / 3, "full": attention / 3}[lay.remat]
+  remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
+  forwards = {"none": 0, "selective": 0, "full": 1}[remat]  # linear forwards recomputed
+  scores = {"none": 0.0, "selective": attention / 3, "full": attention / 3}[remat]
   if lay.pipeline > 1 and stages_recompute:  # its stash holds chunk inputs only (estimate.memory)
     forwards, scores = forwards + 1, scores + attention / 3
   passes, head = 6 + 2 * forwards, 6  # x params: forward 2, backward 4, a recomputed forward 2

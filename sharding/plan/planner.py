@@ -142,6 +142,8 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
               for extra in _switches(m, tensor, pipeline):
                 lay = Layout(data=data, fsdp=fsdp, zero_stage=zero, micro_batch=mbs,
                              microbatches=per_replica // mbs, **model_split, **extra)
+                if lay.stage_remat(m.num_layers) != lay.remat:
+                  continue  # remat=none's program (Layout.stage_remat): listed once, as that
                 considered += 1
                 if lay.sequence_parallel and seq_len % (
                     context_parallel.sequence_chunks(here, context) * tensor):
