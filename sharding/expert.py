@@ -151,6 +151,11 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   b, l, d = x_BLD.shape
   k = ids_BLk.shape[-1]
   tokens, assignments = b * l, b * l * k
+  # Typed as varying over the split hidden dim's axes from here: the rows' gradient is a partial
+  # sum over them, and the psum that ends it then runs on these [b*l, D] tokens, once, where the
+  # experts' matmul would sum each round's received buffer (k x the exchange capacity x their
+  # rows: DeepSeek-V3's [65536, 7168] over `tensor`, five times a tick).
+  x_BLD = _varying(x_BLD, partial_axes)
   expert = ids_BLk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
   back = _inverse(order)

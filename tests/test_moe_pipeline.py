@@ -16,6 +16,7 @@ from models.config import MoEConfig
 from sharding import MeshConfig
 from sharding.mesh import LayoutError
 from sharding.pipeline import stage_split
+from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import DROPPING, MOE, assert_same_training, reference
 from tests.test_uneven_stages import restore_target
@@ -61,6 +62,21 @@ def test_moe_on_pipeline_expert_data_equals_one_device(moe):
   cfg = harness.config(PIPELINE, moe=moe, microbatches=2)
   assert Trainer(cfg).stage_layers == (("layers", (1, 0)), ("moe_layers", (0, 1)))
   assert_same_training(harness.run(PIPELINE, moe=moe, microbatches=2), reference(moe))
+
+
+def test_dropless_rounds_with_split_expert_hidden_in_a_stage_equal_one_device():
+  """pipeline=2 x expert=2 x tensor=2, exchange rounds of 48 rows (capacity 0.75 of a pair's 64):
+  the experts' hidden dim is split over `tensor`, so the rows' gradient is a partial sum over
+  it. It is summed once, on the stage's tokens [64, D], not on each round's received buffer
+  [96, D], as the compiled program shows (no all-reduce over `tensor` of 96 rows)."""
+  mesh = MeshConfig(data=1, pipeline=2, expert=2, tensor=2)
+  moe = dataclasses.replace(MOE, exchange_capacity=0.75)
+  assert_same_training(harness.run(mesh, moe=moe, microbatches=4), reference(MOE))
+  summed = {c.shape for c in hlo.collectives(harness.compile_step(
+      mesh, moe=moe, microbatches=4).as_text()) if c.kind == "all-reduce" and c.group_size == 2}
+  rows = harness.BATCH // 4 // 2 * harness.SEQ  # a microbatch's sequences over expert, tokens
+  assert (rows, harness.MODEL.embed_dim) in summed  # the tokens' (among others')
+  assert (3 * rows // 2, harness.MODEL.embed_dim) not in summed, summed  # before: a round's
 
 
 def test_dropless_moe_on_pipeline_context_data_equals_one_device():
