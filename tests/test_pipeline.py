@@ -8,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from sharding import MeshConfig
+from sharding import Layout, MeshConfig
 from sharding.pipeline import schedules
 from sharding.xla import hlo
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
+from trainer.loop import remat_note
 from trainer.trainer import Trainer
 
 MODELS = {layers: dataclasses.replace(harness.MODEL, num_layers=layers) for layers in (4, 8, 16)}
@@ -320,3 +321,10 @@ def test_an_unrolled_chunk_runs_its_forward_once_in_the_backward_whatever_remat(
   assert unrolled == {"none": 74, "selective": 74, "full": 74}, unrolled
   scanned = {remat: tick_dots(16, 2, remat) for remat in ("none", "full")}
   assert scanned["full"] > scanned["none"], scanned
+
+
+def test_a_run_says_where_remat_does_not_act():
+  """The log line of a run whose stages' chunks are unrolled (2 layers a stage, not 32)."""
+  staged = Layout(pipeline=2, microbatches=4, remat="full")
+  assert "compute.remat=full runs as none" in remat_note(staged, 4)
+  assert remat_note(staged, 64) == "" == remat_note(Layout(remat="full"), 4)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from sharding.layout import UNROLLED_STAGE_GROUPS
 from trainer import checkpoint, data, metrics, plot, sample, tracking
 from trainer.process import preemption, workdir as workdir_lib
 from trainer.config import TrainConfig
@@ -90,6 +91,15 @@ def _compile_and_run(trainer, cfg, workdir, checkpoints, runs, is_writer) -> dic
   return _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer, runs)
 
 
+def remat_note(layout, num_layers: int) -> str:
+  """The line a run logs where compute.remat does not act (Layout.stage_remat), else ''."""
+  if layout.stage_remat(num_layers) == layout.remat:
+    return ""
+  return (f"compute.remat={layout.remat} runs as none in the pipeline stages' chunks of at most"
+          f" {UNROLLED_STAGE_GROUPS} layers: the executor recomputes each chunk in its backward"
+          " (docs/parallelism.md)")
+
+
 def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer, runs) -> dict:
   cfg = trainer.cfg
   logging.info("process %d of %d; mesh %s over %d %s devices; data %s; %.2fM parameters;"
@@ -107,6 +117,8 @@ def _run_from(trainer, ckpt, train_iter, start, meta, workdir, is_writer, runs) 
   peak, peak_source = (cfg.peak_flops_per_device * jax.device_count(), "config") \
       if cfg.peak_flops_per_device else metrics.peak_flops(cfg.model.dtype)
   logging.info("MFU denominator: %.1f GFLOP/s (%s)", peak / 1e9, peak_source)
+  if note := remat_note(trainer.layout, cfg.model.num_layers):
+    logging.info(note)
   progress = metrics.Progress(
       workdir, steps=cfg.steps, start=start, tokens_per_step=cfg.batch_size * cfg.seq_len,
       flops_per_step=cfg.model.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len,
