@@ -367,8 +367,10 @@ def triton_dots(text: str, kernel: str) -> list[str]:
 @pytest.mark.parametrize("impl", ["pallas", "ragged_dot"])
 def test_expert_gemms_are_f8_in_the_h100_program(impl, tmp_path):
   """Deviceless compile for 8 H100s (expert=4 x fsdp=2, bf16 compute, rowwise experts). pallas
-  (what "auto" picks on GPUs): per MoE layer 3 forward, 3 dx and 3 dW fp8 Triton kernels, each
-  dot in their Triton IR f8E4M3FN x f8E4M3FN -> f32, no bf16 grouped kernel left. ragged_dot:
+  (what "auto" picks on GPUs): per MoE layer 3 forward, 3 dx and 3 dW fp8 Triton kernels, and 2
+  forwards again in the backward (the exchange's rounds recompute each round's forward inside
+  their vjp: gate and up; down's output is not needed), each dot in their Triton IR f8E4M3FN x
+  f8E4M3FN -> f32, no bf16 grouped kernel left. ragged_dot:
   every ragged_dot dot is a Triton GEMM fusion on f8e4m3fn operands (over XLA's masked copy of
   the rows per expert: tests/test_kernels_gpu.py)."""
   cfg = moe_configs.debug_moe()
@@ -386,7 +388,7 @@ def test_expert_gemms_are_f8_in_the_h100_program(impl, tmp_path):
   assert "/grouped_matmul/pallas_call" not in text and "/grouped_matmul_dw/" not in text
   forward_and_dx, dw = triton_dots(text, "grouped_matmul_fp8"), \
       triton_dots(text, "grouped_matmul_fp8_dw")
-  assert len(forward_and_dx) == 6 and len(dw) == 3
+  assert len(forward_and_dx) == 3 + 2 + 3 and len(dw) == 3
   for dots in forward_and_dx + dw:
     assert dots and all(re.search(r"xf8E4M3FN> \* tensor<\S+xf8E4M3FN> -> tensor<\S+xf32>", d)
                         for d in dots), dots
