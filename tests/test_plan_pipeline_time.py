@@ -91,3 +91,14 @@ def test_plan_lists_an_unrolled_chunks_program_once():
     staged = [c.layout for c in result.ranked if c.layout.pipeline == 2
               and c.layout.virtual_stages == 1]
     assert {lay.remat for lay in staged} == remats, layers
+
+
+def test_the_executors_recomputed_forward_sends_its_tensor_collectives_again():
+  """Sequence parallelism on 2 stages (1 layer each, 4 microbatches): 6 all-gathers a layer pass,
+  2 more for the forward the executor recomputes in each backward; nanotron's stages store
+  their activations (stages_recompute=False) and send 6; 2 more a microbatch for the head."""
+  lay = Layout(pipeline=2, tensor=2, sequence_parallel=True, microbatches=4)
+  gathers = {flag: next(c for c in hardware.collectives(SMALL, lay, SEQ, PLAYBOOK_MIXED, flag)
+                        if c.phase == "tensor" and c.kind == "all-gather").count
+             for flag in (True, False)}
+  assert gathers == {True: 4 * 1 * (6 + 2) + 2 * 4, False: 4 * 1 * 6 + 2 * 4}

@@ -59,7 +59,8 @@ def ring_hops(m, context: int, seq_len: int) -> float:
   return share * full + (1 - share) * windowed
 
 
-def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> list[Collective]:
+def collectives(model, layout: Layout, seq_len: int, precision: Precision,
+                stages_recompute: bool = True) -> list[Collective]:
   """The communication of one training step on one device (the most loaded stage).
 
   DP: all-reduce of the gradients once per step (accumulation reduces once); ZeRO-1/2: reduce-
@@ -70,7 +71,8 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
   around the ring 3 times (forward, backward K/V and their gradients), Ulysses' 4 all-to-alls per
   layer forward (q, k, v, output) and 4 backward (+4 recomputing fully), the hybrid both over its
   factors; PP: activations forward and gradients backward per microbatch and virtual stage; EP:
-  4 all-to-alls per MoE layer.
+  4 all-to-alls per MoE layer. `stages_recompute` (meshtron's pipeline executor): the forward
+  each backward recomputes sends its TP/SP and Ulysses collectives again, as full remat's does.
   """
   m, lay, pr = model_spec(model), layout, precision
   ga = lay.microbatches
@@ -138,8 +140,9 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
       for kind in ("all-gather", "reduce-scatter"):
         out.append(Collective(("fsdp",), kind, "zero3", group, 2 * ga, lay.fsdp))
   layer_passes = ga * stage_layers(m, lay)
+  remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
+  again = int(remat == "full") + int(lay.pipeline > 1 and stages_recompute)  # forwards rerun
   if lay.tensor > 1:
-    again = 1 if lay.remat == "full" else 0
     if lay.sequence_parallel:
       out.append(Collective(("tensor",), "all-gather", "tensor", act,
                             layer_passes * (6 + 2 * again) + 2 * ga, lay.tensor))
@@ -155,7 +158,6 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision) -> li
     out.append(Collective(("context",), "p2p", "context", kv,
                           3 * ring_hops(m, ring, seq_len) * layer_passes, ring))
   if degree > 1:  # Ulysses: q, k, v and the output forward, their gradients backward
-    again = 1 if lay.remat == "full" else 0
     out.append(Collective(("context",), "all-to-all", "context",
                           context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes) / 4,
                           (8 + 4 * again) * layer_passes, degree))
@@ -296,7 +298,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
       hw.matmul_efficiency + passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
-  for c in collectives(m, lay, seq_len, precision):
+  for c in collectives(m, lay, seq_len, precision, stages_recompute):
     per_node = math.prod(members[a] for a in c.axes)
     inside = per_node == c.group
     # Across nodes NCCL runs one ring per NIC: a group with k members on each node crosses
