@@ -102,3 +102,20 @@ def test_the_executors_recomputed_forward_sends_its_tensor_collectives_again():
                         if c.phase == "tensor" and c.kind == "all-gather").count
              for flag in (True, False)}
   assert gathers == {True: 4 * 1 * (6 + 2) + 2 * 4, False: 4 * 1 * 6 + 2 * 4}
+
+
+def test_the_last_stage_runs_the_multi_token_prediction_module_on_all_its_tokens():
+  """One MTP module (SMALL's layer, a [2D, D] projection, the head): on 2 stages the last runs
+  it on every token of its 4 microbatches, forward and backward once (6 x its matmul params, the
+  head's among the rest with the scores); the forward ticks run none of it. Without stages it
+  runs with the layers' passes on the device's tokens, as before."""
+  mtp = dataclasses.replace(SMALL, mtp_depth=1)
+  block = mtp.mtp_block()[0] + 2 * SMALL.embed_dim ** 2
+  head = SMALL.vocab_size * SMALL.embed_dim
+  for lay, tokens in ((Layout(pipeline=2, microbatches=4), 4 * SEQ), (Layout(), SEQ)):
+    (base_l, base_r), (l, r) = (hardware.flops_split(m, lay, SEQ) for m in (SMALL, mtp))
+    assert l - base_l == pytest.approx(6 * block * tokens)
+    assert r - base_r == pytest.approx(tokens * (6 * head + mtp.attention_flops(SEQ)))
+  staged = Layout(pipeline=2, microbatches=4)
+  assert hardware.flops_split(mtp, staged, SEQ, forward_only=True) == \
+      hardware.flops_split(SMALL, staged, SEQ, forward_only=True)

@@ -203,7 +203,9 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   m, lay = model_spec(model), layout
   # per model replica, per context shard
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
-  per_layer = (m.active_matmul_params() - m.vocab_size * m.embed_dim) / m.num_layers
+  table = m.vocab_size * m.embed_dim
+  per_layer = m.attention_params() + m.dense_mlp_params() + m.expert_params(per_token=True)
+  mtp = m.active_matmul_params() - table - m.num_layers * per_layer  # with their heads
   attention = m.attention_flops(seq_len)
   remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
   forwards = {"none": 0, "selective": 0, "full": 1}[remat]  # linear forwards recomputed
@@ -216,9 +218,17 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   # The most loaded stage sets the time: uneven stages count their padded share of layers.
   layers = stage_layers(m, lay) * lay.pipeline
   share = tokens / (lay.tensor * lay.pipeline)
-  linear = layers * passes * per_layer
-  rest = layers * (attention + scores) + head * m.vocab_size * m.embed_dim
-  return share * linear, share * rest
+  linear, rest = layers * passes * per_layer, layers * (attention + scores) + head * table
+  if not m.mtp_depth or forward_only:
+    return share * linear, share * rest
+  # The multi-token prediction modules (a layer, a projection and a head each): in pipeline
+  # stages the last runs them on every token of its microbatches, once in each backward tick
+  # (not checkpointed there), and the most loaded stage sets the time.
+  staged = lay.pipeline > 1 and stages_recompute
+  mtp_passes, mtp_share = (6, tokens / lay.tensor) if staged else (passes, share)
+  mtp_linear = (mtp - m.mtp_depth * table) * mtp_passes
+  mtp_rest = m.mtp_depth * (6 * table + attention + (0.0 if staged else scores))
+  return share * linear + mtp_share * mtp_linear, share * rest + mtp_share * mtp_rest
 
 
 def grouped_share(model) -> float:
