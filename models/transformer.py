@@ -21,7 +21,6 @@ from sharding import Layout, constrain, local_layout
 from sharding.layout import UNROLLED_STAGE_GROUPS
 
 
-
 class DecoderBlock(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
