@@ -103,12 +103,14 @@ class Layout:
     counts = self.stage_split(num_layers)
     return max(counts) * self.virtual_stages if counts else num_layers
 
-  def stage_remat(self, num_layers: int) -> str:
+  def stage_remat(self, num_layers: int, stages_recompute: bool = True) -> str:
     """The recomputation a layer runs: `remat`, but none in a pipeline stage's unrolled chunk.
-    The executor recomputes a chunk's forward in its backward tick and takes its pullback at
-    once; a layer checkpoint there would run each forward a third time (models/transformer.py)."""
+    meshtron's executor (`stages_recompute`; False for trainers whose stages store activations)
+    recomputes a chunk's forward in its backward tick and takes its pullback at once; a layer
+    checkpoint there would run each forward a third time (models/transformer.py)."""
     chunk = self.layers_per_device(num_layers) / self.virtual_stages
-    return "none" if self.pipeline > 1 and chunk <= UNROLLED_STAGE_GROUPS else self.remat
+    unrolled = stages_recompute and self.pipeline > 1 and chunk <= UNROLLED_STAGE_GROUPS
+    return "none" if unrolled else self.remat
 
   @property
   def num_devices(self) -> int:

@@ -140,7 +140,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
       for kind in ("all-gather", "reduce-scatter"):
         out.append(Collective(("fsdp",), kind, "zero3", group, 2 * ga, lay.fsdp))
   layer_passes = ga * stage_layers(m, lay)
-  remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
+  remat = lay.stage_remat(m.num_layers, stages_recompute)
   again = int(remat == "full") + int(lay.pipeline > 1 and stages_recompute)  # forwards rerun
   if lay.tensor > 1:
     if lay.sequence_parallel:
@@ -207,10 +207,11 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   per_layer = m.attention_params() + m.dense_mlp_params() + m.expert_params(per_token=True)
   mtp = m.active_matmul_params() - table - m.num_layers * per_layer  # with their heads
   attention = m.attention_flops(seq_len)
-  remat = lay.stage_remat(m.num_layers) if stages_recompute else lay.remat
+  remat = lay.stage_remat(m.num_layers, stages_recompute)
   forwards = {"none": 0, "selective": 0, "full": 1}[remat]  # linear forwards recomputed
   scores = {"none": 0.0, "selective": attention / 3, "full": attention / 3}[remat]
-  if lay.pipeline > 1 and stages_recompute:  # its stash holds chunk inputs only (estimate.memory)
+  staged = lay.pipeline > 1 and stages_recompute  # meshtron's executor
+  if staged:  # its stash holds chunk inputs only (estimate.memory)
     forwards, scores = forwards + 1, scores + attention / 3
   passes, head = 6 + 2 * forwards, 6  # x params: forward 2, backward 4, a recomputed forward 2
   if forward_only:
@@ -224,7 +225,6 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   # The multi-token prediction modules (a layer, a projection and a head each): in pipeline
   # stages the last runs them on every token of its microbatches, once in each backward tick
   # (not checkpointed there), and the most loaded stage sets the time.
-  staged = lay.pipeline > 1 and stages_recompute
   mtp_passes, mtp_share = (6, tokens / lay.tensor) if staged else (passes, share)
   mtp_linear = (mtp - m.mtp_depth * table) * mtp_passes
   mtp_rest = m.mtp_depth * (6 * table + attention + (0.0 if staged else scores))
