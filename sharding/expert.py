@@ -81,7 +81,10 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
 
   param_specs = [spec(keep(n), p.shape, f"moe expert param {i}")
                  for i, (n, p) in enumerate(zip(param_names, params))]
-  expert_axes = entry_axes(param_specs[0][0])
+  # In a pipeline stage manual over the expert axes (`Layout.stage_expert_axes`) the weights
+  # come split over them and the tokens are the device's own; the exchange still runs over them.
+  manual = layout.stage_expert_axes if layout.in_pipeline_stage else ()
+  expert_axes = (*manual, *entry_axes(param_specs[0][0]))
   partial_axes = tuple(sorted({a for s, names in zip(param_specs, param_names)
                                for entry, n in zip(s, names) if n == partial_over
                                for a in entry_axes(entry)}))

@@ -78,6 +78,7 @@ class Layout:
   # its part apart (`gradient_sequence_axes`); not for the dropping MoE, whose capacity slots
   # are handed out along each whole sequence.
   sequence_parts_apart: bool = True
+  moe_dispatch: str = "dropless"  # model.moe's ("dropping": XLA partitions its einsums)
   # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
   # each stack stored padded to its largest position; () when every stack divides evenly.
   stacks: tuple = ()
@@ -217,11 +218,26 @@ class Layout:
       return ()
     return self.sequence_axes
 
+  @property
+  def stage_expert_axes(self) -> tuple[str, ...]:
+    """The expert axes a pipeline stage's shard_map is manual over too: each expert device runs
+    its own rows through the stages and keeps whole float32 sums of the gradients of the weights
+    the devices share (all but the experts'), reduced once after the schedule, as ZeRO-1 and
+    Megatron's distributed optimizer keep them. Automatic, XLA split those sums over `expert`
+    and reduce-scattered each tick's gradients into them (DeepSeek-V3's recipe: 3.5 TB a step);
+    ZeRO-2, which splits the gradients, keeps that program. The dropless MoE exchanges the
+    tokens over these axes inside (sharding/expert.py). () without stages, for the dropping MoE
+    (XLA partitions its einsums over `expert`) and under ZeRO >= 2."""
+    if self.pipeline == 1 or self.zero_stage >= 2 or self.moe_dispatch == "dropping":
+      return ()
+    return tuple(a for a in self.axes("experts") if a in self.axes("batch"))
+
   def stage_mesh(self):
     """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis, the
-    gradient replicas' axes and the stage's sequence axes, sharding/pipeline/executor.py): what
-    a shard_map nested in a stage must name."""
-    manual = (self.pipeline_axis, *self.gradient_replica_axes[0], *self.stage_sequence_axes)
+    gradient replicas' axes, the stage's expert and sequence axes, sharding/pipeline/
+    executor.py): what a shard_map nested in a stage must name."""
+    manual = (self.pipeline_axis, *self.gradient_replica_axes[0], *self.stage_expert_axes,
+              *self.stage_sequence_axes)
     return self.mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in manual})
 
   # ---- views ----

@@ -44,7 +44,8 @@ def layout_of(mesh: MeshConfig, num_devices: int, model, compute=None, *, batch_
         " devices")
   layout = Layout(**sizes, **{k: getattr(mesh, k) for k in MESH_SWITCHES},
                   micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
-                  remat=compute.remat, context_impl=compute.context_impl)
+                  remat=compute.remat, context_impl=compute.context_impl,
+                  moe_dispatch=getattr(getattr(model, "moe", None), "dispatch", "dropless"))
   _check_model_fits(layout, model, compute, seq_len)
   layout.splits_vocab(model.vocab_size, seq_len)  # a bad vocab_over_fsdp setting is an error
   return layout

@@ -113,3 +113,16 @@ def test_overrides_never_reach_a_preset(preset):
     first.model.moe.num_experts += 2
   again = configs.get(preset)
   assert again == pristine and again != first
+
+
+def test_stages_are_manual_over_expert_where_zero_keeps_whole_gradient_sums():
+  """`Layout.stage_expert_axes`: a pipeline stage is manual over `expert` with the dropless MoE at
+  ZeRO-0/1 (each expert device keeps whole sums of the shared weights' gradients, reduced once a
+  step); not without stages, not for the dropping MoE, not at ZeRO-2, which splits the sums."""
+  stages = Layout(pipeline=2, expert=4)
+  assert stages.stage_expert_axes == ("expert",)
+  assert dataclasses.replace(stages, zero_stage=1).stage_expert_axes == ("expert",)
+  assert dataclasses.replace(stages, zero_stage=2).stage_expert_axes == ()
+  assert dataclasses.replace(stages, moe_dispatch="dropping").stage_expert_axes == ()
+  assert Layout(data=2, expert=4).stage_expert_axes == ()
+  assert Layout(pipeline=2, data=4).stage_expert_axes == ()

@@ -4,9 +4,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec
+
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout
 from sharding.pipeline import executor as pipeline, schedules, stage_split
+from sharding.rules import entry_axes
+from sharding.scope import is_names, spec
 from trainer import loss
 from trainer.config import StepConfig
 
@@ -14,8 +18,8 @@ from trainer.config import StepConfig
 def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
               ) -> pipeline.StageFns:
   """Embedding, a chunk of the layer stacks, and final norm + head + summed loss (+ the
-  multi-token prediction loss, `with_mtp`) as pure functions. The model is rebuilt from (shared weights,
-  stacks) for each piece; pieces that do not use the layers get zeros of a chunk's shape
+  multi-token prediction loss, `with_mtp`) as pure functions. The model is rebuilt from (shared
+  weights, stacks) for each piece; pieces that do not use the layers get zeros of a chunk's shape
   (unused, removed by XLA)."""
   placeholder = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layer_chunk_shape)
 
@@ -63,8 +67,22 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
   return pipeline.StageFns(first, stage, head, last if with_mtp else None, quantize)
 
 
-def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_microbatches,
-                           is_fp8=None):
+def expert_specs(layout: Layout, names, params):
+  """Each parameter's PartitionSpec over the stage's expert axes only (`Layout.stage_expert_axes`;
+  the experts' weights: their experts dim), a tree like `params`; None without such axes."""
+  axes = layout.stage_expert_axes
+  if not axes:
+    return None
+
+  def one(path, leaf_names, leaf):
+    full = spec(leaf_names, leaf.shape, "params/" + jax.tree_util.keystr(path), role="params")
+    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in full]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+  return jax.tree_util.tree_map_with_path(one, names, params, is_leaf=is_names)
+
+
+def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
+                           split_microbatches, is_fp8=None):
   """grads_fn(params, batch) -> (gradients summed over tokens, stats), the microbatches flowing
   through the pipeline stages by the layout's schedule (make_grads_fn normalizes them).
   `graphdef`: the model built for a pipeline stage (`layout.in_train_step()`).
@@ -84,8 +102,10 @@ def make_pipeline_grads_fn(graphdef, layout: Layout, cfg: StepConfig, *, split_m
     by_max = None if is_fp8 is None else (
         {k: is_fp8[k] for k in stacks}, {k: v for k, v in is_fp8.items() if k in shared})
     fns = stage_fns(graphdef, cfg, chunk, shared.get("mtp") is not None)
+    split = expert_specs(layout, {k: names[k] for k in params}, params)
+    split = split and ({k: split[k] for k in stacks}, {k: split[k] for k in shared})
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
-        layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype)
+        layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

@@ -124,7 +124,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
                       spmd_axis_name=vmapped or None)(
           params, {k: split(v) for k, v in micro.items()}, fp8_weights, stacks)
 
-  pipelined = make_pipeline_grads_fn(graphdef, layout, cfg,
+  pipelined = make_pipeline_grads_fn(graphdef, names, layout, cfg,
                                      split_microbatches=split_microbatches, is_fp8=state.is_fp8)
 
   def grads_fn(params, batch):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from sharding.pipeline import schedules as sched
+from sharding.pipeline import schedules as sched, stage_split
 from sharding.pipeline.head_pieces import HeadPieces
 from sharding.pipeline.shared_grads import Leaves, embedding_grads
 from sharding.scope import excluding
@@ -53,8 +53,16 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
                       for c in range(schedule.virtual)])
 
 
+def _vary(a, axes):
+  """`a` typed as varying over `axes` too (those it does not vary over already: an expert's
+  weight does over its own axes)."""
+  extra = tuple(x for x in axes if x not in jax.typeof(a).manual_axis_type.varying)
+  return jax.lax.pcast(a, extra, to="varying") if extra else a
+
+
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
-                   present: dict | None = None, by_max=None, accum_dtype=None):
+                   present: dict | None = None, by_max=None, accum_dtype=None,
+                   expert_specs=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -73,6 +81,9 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
       None: every leaf summed.
     accum_dtype: the dtype the summed gradients are carried in over the microbatches (the
       train step's grad_accum_dtype); None: each parameter's. The by-max leaves keep theirs.
+    expert_specs: under `layout.stage_expert_axes`, (tree like `layers`, tree like `shared`) of
+      each weight's PartitionSpec over those axes only (the experts' weights: their experts
+      dim; a stacked weight's first entry is ignored); None: none split over them.
   Returns:
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
     storage order), summed over microbatches, in the parameters' dtypes.
@@ -82,8 +93,15 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   # keeps its gradient sums, reduced once after the schedule (not once per tick and weight).
   # The sequence's parts likewise (context parallelism, `Layout.stage_sequence_axes`): each
   # device runs its part of every sequence through the stages, and keeps its gradient sums.
-  rows_axes, seq_axes = layout.gradient_replica_axes[0], layout.stage_sequence_axes
+  # And the expert devices (`Layout.stage_expert_axes`): each runs its own rows and keeps its
+  # sums of the weights they share; the experts' weights stay split, each device its own.
+  rows_axes = (*layout.gradient_replica_axes[0], *layout.stage_expert_axes)
+  seq_axes = layout.stage_sequence_axes
   replica_axes = (*rows_axes, *seq_axes)
+  layer_specs, shared_specs = expert_specs or jax.tree.map(lambda _: PartitionSpec(),
+                                                           (layers, shared))
+  layer_specs = jax.tree.map(lambda s: PartitionSpec(axis, *s[1:]), layer_specs,
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
   def batch_spec(a):  # [M, b, L, ...]: rows over the replicas, the sequence over its parts
     return PartitionSpec(None, rows_axes or None, *((seq_axes,) if a.ndim > 2 and seq_axes
@@ -103,13 +121,11 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
       return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max,
                   accum_dtype)
 
-  specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
   mapped = jax.shard_map(
       per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
-      in_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
-                jax.tree.map(batch_spec, data)),
-      out_specs=(specs(layers, PartitionSpec(axis)), specs(shared, PartitionSpec()),
-                 PartitionSpec(), PartitionSpec(), PartitionSpec(axis)))
+      in_specs=(layer_specs, shared_specs, jax.tree.map(batch_spec, data)),
+      out_specs=(layer_specs, shared_specs, PartitionSpec(), PartitionSpec(),
+                 PartitionSpec(axis)))
   layer_grads, shared_grads, loss_sum, stats, row_stats = mapped(to_chunks(layers), shared, data)
   return (to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats,
           to_chunks(row_stats, inverse=True))
@@ -136,9 +152,13 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   send_table, receive_table = jnp.asarray(send_table), jnp.asarray(receive_table)
   me = jax.lax.axis_index(axis)
   local = jax.tree.map(lambda w: w.reshape(virtual, w.shape[0] // virtual, *w.shape[1:]), layers)
-  if replica_axes:  # as varying values their gradients stay per replica (no implicit psum)
-    local = jax.tree.map(lambda w: jax.lax.pcast(w, replica_axes, to="varying"), local)
+  # The axes each weight is split over: its own values, its gradient not summed over them.
+  own = lambda w: frozenset(jax.typeof(w).manual_axis_type.varying) - {axis}
+  layer_own, shared_own = jax.tree.map(own, layers), jax.tree.map(own, shared)
+  # As varying values their gradients stay per replica (no implicit psum).
+  local = jax.tree.map(lambda w: _vary(w, replica_axes), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
+  live = stage_split.live_chunks(schedule.positions(), present or {}, local)
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
   # The head's tokens split over the stages (sharding/pipeline/head_pieces.py).
@@ -167,7 +187,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   last_reads = None if fns.last is None else Leaves.read_by(fns.last, shared, x, first_mb)
   # Every value here differs per stage (and replica): zeros too are typed as varying over the
   # manual axes, so the branches of the per-stage switch agree on their types.
-  vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, manual, to="varying"), tree)
+  vary = lambda tree: jax.tree.map(lambda a: _vary(a, manual), tree)
   zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree))
   buffer = vary(jnp.zeros((virtual, slots, *act.shape), act.dtype))
   # The shared weights are replicated over stages; as varying values their gradients stay
@@ -179,7 +199,12 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # Megatron's main_grad keep them: 128 bf16 additions lose the small microbatches' part).
   summed = lambda tree, by: zeros(jax.tree.map(lambda a, m: jax.ShapeDtypeStruct(
       a.shape, a.dtype if m or accum_dtype is None else accum_dtype), tree, by))
-  carry = dict(inputs=buffer, grads=buffer, layer_acc=summed(local, layer_max),
+  # A stack's sums only for its live chunks (stage_split.live_chunks): chunk c adds into sum
+  # slot[c].
+  slot = {k: jnp.asarray(np.maximum(np.cumsum(l) - 1, 0)) for k, l in live.items()}
+  live_shapes = {k: jax.tree.map(lambda w, n=int(live[k].sum()): jax.ShapeDtypeStruct(
+      (n, *w.shape[1:]), w.dtype), v) for k, v in local.items()}
+  carry = dict(inputs=buffer, grads=buffer, layer_acc=summed(live_shapes, layer_max),
                shared_acc=summed(shared, shared_max),
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
@@ -201,9 +226,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
     carry = dict(carry)
     carry["row_acc"] = jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows)
-    carry["layer_acc"] = jax.tree.map(
-        lambda m, a, d: a.at[c].max(d) if m else a.at[c].add(d.astype(a.dtype)),
-        layer_max, carry["layer_acc"], d_layers)
+    carry["layer_acc"] = {k: jax.tree.map(  # a dead chunk's zeros go to any slot
+        lambda m, a, d, i=slot[k][c]: a.at[i].max(d) if m else a.at[i].add(d.astype(a.dtype)),
+        layer_max[k], acc, d_layers[k]) for k, acc in carry["layer_acc"].items()}
     if d_shared is not None:
       carry["shared_acc"] = add_shared(carry["shared_acc"], last_reads, d_shared)
     carry["loss"] = carry["loss"] + loss
@@ -367,19 +392,26 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                                add_shared)
   # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
   # over stages and replicas (the rest).
-  def reduce(tree, axes, by_max=None):
+  def reduce(tree, axes, by_max=None, owns=None):
     by_max = by_max or jax.tree.map(lambda _: False, tree)
-    if not axes:
-      return tree
+    owns = owns or jax.tree.map(lambda _: frozenset(), tree)
 
-    def one(m, a):  # in float32 at least: XLA:CPU aborts on a bf16 psum in a shard_map that
-      # leaves some mesh axes automatic (its all-reduce promotion meets a sharding constraint)
+    def one(m, a, mine):  # in float32 at least: XLA:CPU aborts on a bf16 psum in a shard_map
+      # that leaves some mesh axes automatic (its all-reduce promotion meets a constraint)
+      over = tuple(x for x in axes if x not in mine)
+      if not over:
+        return a
       wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-      return (jax.lax.pmax(wide, axes) if m else jax.lax.psum(wide, axes)).astype(a.dtype)
-    return jax.tree.map(one, by_max, tree)
+      return (jax.lax.pmax(wide, over) if m else jax.lax.psum(wide, over)).astype(a.dtype)
+    return jax.tree.map(one, by_max, tree, owns)
   rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
   as_params = lambda tree, like: jax.tree.map(lambda a, p: a.astype(p.dtype), tree, like)
-  return (rows_of(as_params(reduce(carry["layer_acc"], replica_axes, layer_max), local)),
-          as_params(reduce(shared_acc, manual, shared_max), shared),
+  layer_sums = reduce(carry["layer_acc"], replica_axes, layer_max, layer_own)
+  layer_sums = {k: jax.tree.map(  # the dead chunks' zeros back in place
+      lambda a, w, i=np.flatnonzero(live[k]): a if len(i) == virtual else
+      jnp.zeros(w.shape, a.dtype).at[i].set(a), acc, local[k])
+      for k, acc in layer_sums.items()}
+  return (rows_of(as_params(layer_sums, local)),
+          as_params(reduce(shared_acc, manual, shared_max, shared_own), shared),
           reduce(carry["loss"], manual),
           reduce(carry["stats"], manual), rows_of(reduce(carry["row_acc"], replica_axes)))

@@ -95,6 +95,16 @@ def present_rows(split: StackSplit, flat: bool = False) -> dict[str, np.ndarray]
   return {name: present(c).reshape(-1) if flat else present(c) for name, c in split}
 
 
+def live_chunks(positions: np.ndarray, present: dict, stacks) -> dict:
+  """{stack: [virtual] bool}: the chunks (a device's virtual stages; `positions` [virtual,
+  stages], Schedule.positions) in which the stack holds a layer on some stage. In the others
+  every row on every stage is padding, which a conditional skips, so its gradient is zero and
+  the pipeline executor keeps no sum for it. DeepSeek-V3's 3 dense layers on 8 stages x 4 chunks
+  are stored as 2 rows a position; each device kept float32 sums of 8 rows, where 2 can live."""
+  return {k: np.asarray([k not in present or bool(np.asarray(present[k])[p].any())
+                         for p in positions]) for k in stacks}
+
+
 def pad_stacks(params: dict, split: StackSplit) -> dict:
   """The model's parameters with each stack of `split` padded."""
   return {**params, **{name: pad(params[name], c) for name, c in split}}
