@@ -187,7 +187,7 @@ ANCHORS = (
            " only matmul, kernel and exchange outputs, a forward and a backward in each steady"
            " tick (paired_1f1b), the head on every stage, bf16 weights with float32 master"
            " copies, moments and gradient sums split over `expert` (ZeRO-2: at ZeRO-1 the"
-           " whole float32 sums of the shared weights peak at 88 GiB)",
+           " whole float32 sums of the shared weights peak at 84 GiB)",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),

@@ -70,6 +70,14 @@ def _stack(block, num_layers: int, cfg: ModelConfig, compute, layout, rngs: nnx.
   return stack(rngs)
 
 
+def _rows(present):
+  """A stack's rows as the layer scan reads them. A numpy `present` (a position's rows known when
+  tracing: the pipeline's last, whose backward runs the multi-token prediction) stays numpy, so
+  each row's conditional has a constant predicate, which XLA drops: a padding row then costs
+  nothing, also in the step-time model, which prices a conditional at its costliest branch."""
+  return present if isinstance(present, np.ndarray) else jnp.asarray(present)
+
+
 class Transformer(nnx.Module):
   """A Llama decoder. Every layer weight has a leading `layers` dim (one compiled layer body).
 
@@ -250,7 +258,7 @@ class Transformer(nnx.Module):
           _, y = jax.eval_shape(block, x, layer_state, window)
           return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
         return jax.lax.cond(here, run, skip, x, layer_state)
-      stacked = (stacked, jnp.asarray(present))
+      stacked = (stacked, _rows(present))
       if accumulating:
         acc, use_max = (acc, None), (use_max, None)
 

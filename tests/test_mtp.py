@@ -5,6 +5,7 @@ stages included: the last runs the modules), the counts, the planner."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,6 +25,7 @@ from tests.test_parallel import assert_same_training
 from trainer import loss
 from trainer.config import StepConfig, TrainConfig
 from trainer.non_gradient import NonGradient
+from trainer.trainer import Trainer
 from trainer.step import make_loss_sums
 
 TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -183,10 +185,14 @@ def test_trains_like_one_device_under_fsdp_and_tensor():
 
 @pytest.mark.parametrize("mesh_cfg,microbatches,layers", [
     (MeshConfig(data=2, pipeline=2, fsdp=2), 2, 2),
+    # 3 layers on 2 stages (2 + 1): the last position's backward, which runs the module, skips
+    # its padding row statically.
+    (MeshConfig(data=4, pipeline=2), 2, 3),
     # The V (4 positions): the last is stage 0's second chunk, where the embedding is too.
     pytest.param(MeshConfig(data=4, pipeline=2, pipeline_schedule="dualpipev",
                             virtual_stages=2), 4, 4, marks=pytest.mark.slow),
-], ids=["data=2,pipeline=2,fsdp=2,1f1b,ga=2", "data=4,pipeline=2,dualpipev,ga=4,4_layers"])
+], ids=["data=2,pipeline=2,fsdp=2,1f1b,ga=2", "data=4,pipeline=2,ga=2,3_layers",
+        "data=4,pipeline=2,dualpipev,ga=4,4_layers"])
 def test_trains_like_one_device_on_the_last_pipeline_stage(mesh_cfg, microbatches, layers):
   """The last pipeline position runs the module on its last layer's output, with the shifted
   tokens of its microbatch and the shared embedding and head (their gradients summed with the
@@ -197,6 +203,32 @@ def test_trains_like_one_device_on_the_last_pipeline_stage(mesh_cfg, microbatche
   assert_same_training(result, ref)
   assert_same_mtp_metrics(result, ref)
   assert all(np.abs(result.grads[i]).max() > 0 for i in mtp_leaves(result).values())
+
+
+def test_the_positions_padding_rows_run_nothing():
+  """3 layers on 2 stages (2 + 1) with the module: a stage's forward and backward run under a
+  switch over the positions' row patterns, and the last position's backward (which alone runs
+  the module) has its own, all with their rows as numpy (known when tracing), so XLA drops the
+  padding row's conditionals and matmuls; a lock-step tick waits for its costliest branch. As
+  traced rows (before), the program held 24 conditionals with a matmul-free branch and 271
+  dots; now 4 and 199 (DeepSeek-V3's recipe: its last position's backward went from 410 to
+  245 ms, and no branch runs its dense and its MoE rows together)."""
+  from unittest import mock
+  from models import transformer
+  from tests.test_uneven_stages import _dot_free_branches
+
+  def program():  # a fresh Trainer: its own jit, traced again
+    trainer = Trainer(harness.config(MeshConfig(data=4, pipeline=2), model=with_mtp(3),
+                                     microbatches=2))
+    assert trainer.stage_layers == (("layers", (2, 1)),)
+    with trainer.scope():
+      return trainer.train_step.lower(trainer.abstract_state,
+                                      trainer.abstract_batch()).compile().as_text()
+  with mock.patch.object(transformer, "_rows", jnp.asarray):
+    traced = program()
+  static = program()
+  assert _dot_free_branches(static) < _dot_free_branches(traced)
+  assert static.count(" dot(") < traced.count(" dot(")
 
 
 @pytest.mark.slow

@@ -84,17 +84,23 @@ def test_uneven_stages_equal_one_device(layers, mesh, references):  # noqa: F811
   assert_same_training(harness.run(cfg, microbatches=8, model=model(layers)), references(layers))
 
 
+def _branch_dots(hlo_text: str) -> list[list[int]]:
+  """The matmuls in each branch of each conditional."""
+  comps = hlo.computations(hlo_text)
+  return [[hlo.count_within(comps, b, lambda x: x.op in ("dot", "convolution"))
+           for b in hlo.callees(ins)]
+          for instrs in comps.values() for ins in instrs if ins.op == "conditional"]
+
+
 def _dot_free_branches(hlo_text: str) -> int:
   """Conditionals with a branch that runs no matmul while another branch does."""
-  comps = hlo.computations(hlo_text)
-  found = 0
-  for instrs in comps.values():
-    for ins in instrs:
-      if ins.op == "conditional":
-        counts = [hlo.count_within(comps, b, lambda x: x.op in ("dot", "convolution"))
-                  for b in hlo.callees(ins)]
-        found += min(counts) == 0 < max(counts)
-  return found
+  return sum(min(counts) == 0 < max(counts) for counts in _branch_dots(hlo_text))
+
+
+def _row_pattern_switches(hlo_text: str) -> int:
+  """Conditionals whose branches all run matmuls, not all as many: a switch over the positions'
+  row patterns (sharding/pipeline/executor.py), each branch with its own layers."""
+  return sum(min(counts) > 0 and len(set(counts)) > 1 for counts in _branch_dots(hlo_text))
 
 
 def _trainer(layers, **mesh):
@@ -104,9 +110,10 @@ def _trainer(layers, **mesh):
 
 
 def test_padding_rows_run_no_matmuls_and_stay_zero():
-  """5 layers on 2 stages are stored as 2 x 3 rows; the empty row is skipped by a conditional
-  whose other branch holds the layer's matmuls (the even 6-layer program has none of these), and
-  after training steps its weights are still exactly zero (no gradient, no decay of zero).
+  """5 layers on 2 stages are stored as 2 x 3 rows; a stage's forward and backward run under a
+  switch over the two positions' row patterns, whose branches hold 3 and 2 layers' matmuls (the
+  empty row dropped when tracing; the even 6-layer program has no such switch), and after
+  training steps its weights are still exactly zero (no gradient, no decay of zero).
 
   XLA's cost_analysis() charges a conditional with its costliest branch, so the compiled
   program's FLOPs are those of the most loaded stage (3 layers), which sets the step time."""
@@ -118,7 +125,7 @@ def test_padding_rows_run_no_matmuls_and_stay_zero():
     with trainer.scope():
       texts[name] = trainer.train_step.lower(trainer.abstract_state,
                                              trainer.abstract_batch()).compile().as_text()
-  assert _dot_free_branches(texts["uneven"]) > _dot_free_branches(texts["even"])
+  assert _row_pattern_switches(texts["uneven"]) > 0 == _row_pattern_switches(texts["even"])
 
   uneven.init_state()
   with uneven.scope():

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout
 from sharding.pipeline import executor as pipeline, schedules, stage_split
+from sharding.pipeline.stage_fns import StageFns
 from sharding.rules import entry_axes
 from sharding.scope import is_names, spec
 from trainer import loss
@@ -16,7 +17,7 @@ from trainer.config import StepConfig
 
 
 def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
-              ) -> pipeline.StageFns:
+              ) -> StageFns:
   """Embedding, a chunk of the layer stacks, and final norm + head + summed loss (+ the
   multi-token prediction loss, `with_mtp`) as pure functions. The model is rebuilt from (shared
   weights, stacks) for each piece; pieces that do not use the layers get zeros of a chunk's shape
@@ -64,7 +65,7 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
     model = model_of(shared, placeholder())
     return loss.add_mtp_losses(model, jnp.zeros((), jnp.float32), {}, x, mb, cfg.z_loss)
 
-  return pipeline.StageFns(first, stage, head, last if with_mtp else None, quantize)
+  return StageFns(first, stage, head, last if with_mtp else None, quantize)
 
 
 def expert_specs(layout: Layout, names, params):

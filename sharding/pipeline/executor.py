@@ -1,9 +1,6 @@
 """Pipeline parallelism inside one SPMD program: a schedule's tick table run under shard_map over
 the pipeline axis, with ppermute between stages and a manual backward (jax.vjp)."""
 
-import dataclasses
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,37 +9,8 @@ from jax.sharding import PartitionSpec
 from sharding.pipeline import schedules as sched, stage_split
 from sharding.pipeline.head_pieces import HeadPieces
 from sharding.pipeline.shared_grads import Leaves, embedding_grads
+from sharding.pipeline.stage_fns import StageFns
 from sharding.scope import excluding
-
-
-@dataclasses.dataclass(frozen=True)
-class StageFns:
-  """The model cut into pipeline pieces (pure functions of their parameters).
-
-  first(shared, microbatch) -> x: the embedding (position 0 of the pipeline); row by row, so its
-    gradient is taken on several microbatches' rows at once (sharding/pipeline/shared_grads.py).
-  stage(shared, chunk, x, microbatch, present, quantized) -> (x, loss_sum, stats, row_stats): one
-    chunk of layers (`chunk`: {stack: weights with a leading layers dim}; `shared` is passed so
-    the model can be rebuilt, its gradient through `stage` is 0; `present`: {stack: the chunk's
-    rows that hold a layer} for padded stacks; `quantized`: the chunk's part of what `quantize`
-    returned, or None). Its loss_sum is the chunk's part of the loss (the MoE router losses; 0
-    for dense layers), stats are summed scalars, row_stats {name: [chunk rows, ...]} are per
-    layer (the experts' loads), both without gradient.
-  head(shared, x, microbatch) -> (loss_sum, stats): final norm, head and summed loss of the
-    last layer's output; token by token, so it runs on any slice of the sequence (and of the
-    microbatch's [b, L] arrays); stats are summed arrays.
-  last(shared, x, microbatch) -> (loss_sum, stats), or None: what else runs after the last layer
-    on the whole sequence (multi-token prediction), on the last position's stage.
-  quantize(shared, chunk) -> a pytree whose leaves have the chunk's leading layers dim, or None:
-    the chunk's fp8 weights, computed once per step for each of a device's chunks before the
-    ticks (not differentiated; the weights still get their gradients through `stage`).
-  """
-
-  first: Callable
-  stage: Callable
-  head: Callable
-  last: Callable | None = None
-  quantize: Callable | None = None
 
 
 def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
@@ -159,6 +127,15 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   local = jax.tree.map(lambda w: _vary(w, replica_axes), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
   live = stage_split.live_chunks(schedule.positions(), present or {}, local)
+  # The last position's rows, static: its backward (with the multi-token prediction, which only
+  # it runs) skips its padding rows outright, so a lock-step tick is not priced, or run, at a
+  # whole chunk plus that module where the split gives the last position fewer layers.
+  last_rows = {k: np.asarray(v)[last_position] for k, v in (present or {}).items()}
+  # Likewise every position's: a forward or backward runs under a switch over the positions'
+  # distinct row patterns, each with its rows static, so a tick is priced (and run) at its
+  # costliest pattern, not at every stack's rows all present (DeepSeek-V3: 2 dense layers and 2
+  # MoE layers, where a position holds either).
+  patterns, pattern_of = stage_split.row_patterns(present or {})
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
   # The head's tokens split over the stages (sharding/pipeline/head_pieces.py).
@@ -241,7 +218,12 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
     chunk_quantized = jax.tree.map(lambda w: w[c], quantized)
-    rows = {k: v[position] for k, v in present.items()}
+    pattern = jnp.asarray(pattern_of)[position]
+
+    def by_rows(fn):  # fn(rows of a position) under a switch over the row patterns
+      if len(patterns) == 1:
+        return fn(patterns[0])
+      return jax.lax.switch(pattern, [lambda r=r: fn(r) for r in patterns])
     x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     no_loss = vary(jnp.zeros((), jnp.float32))
@@ -254,7 +236,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     def stage_input():  # the embedding at position 0, else the received activation
       return jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
 
-    def stage(s, p, x):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
+    def stage(s, p, x, rows):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
       y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
       return (y, loss), (stats, row_stats)
 
@@ -267,14 +249,16 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       x_in = stage_input()
 
       def middle():
-        (_, loss), pullback, (stats, row_stats) = jax.vjp(
-            lambda p, x: stage(shared, p, x), chunk, x_in, has_aux=True)
-        d_chunk, dx = pullback((g, jnp.ones_like(loss)))
-        return d_chunk, no_shared, dx, no_loss + loss, full(stats), varying(row_stats)
+        def one(rows):
+          (_, loss), pullback, (stats, row_stats) = jax.vjp(
+              lambda p, x: stage(shared, p, x, rows), chunk, x_in, has_aux=True)
+          d_chunk, dx = pullback((g, jnp.ones_like(loss)))
+          return d_chunk, no_shared, dx, no_loss + loss, full(stats), varying(row_stats)
+        return by_rows(one)
 
       def last():  # g: the head's gradient (the head ran after this microbatch's forward)
         def through_last(s, p, x):
-          (y, loss), (stats, row_stats) = stage(s, p, x)
+          (y, loss), (stats, row_stats) = stage(s, p, x, last_rows)
           extra_loss, extra_stats = fns.last(s, y, mb)
           return (y, loss + extra_loss), ({**stats, **extra_stats}, row_stats)
 
@@ -301,7 +285,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return no_part, nothing
 
     def forward():  # at the last position its output goes to the head, not to a stage
-      return no_part, fns.stage(shared, chunk, stage_input(), mb, rows, chunk_quantized)[0]
+      x_in = stage_input()
+      return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x_in, mb, rows,
+                                                     chunk_quantized)[0])
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)

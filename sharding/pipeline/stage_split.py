@@ -105,6 +105,20 @@ def live_chunks(positions: np.ndarray, present: dict, stacks) -> dict:
                          for p in positions]) for k in stacks}
 
 
+def row_patterns(present: dict) -> tuple[list[dict], np.ndarray]:
+  """([pattern {stack: [rows] bool}], [positions] the pattern of each): the distinct rows the
+  positions of `present` ({stack: [positions, rows] bool}) hold; one empty pattern without
+  padded stacks."""
+  if not present:
+    return [{}], np.zeros(1, np.int32)
+  keys = sorted(present)
+  table = np.concatenate([np.asarray(present[k]) for k in keys], axis=1)
+  unique, pattern_of = np.unique(table, axis=0, return_inverse=True)
+  widths = np.cumsum([0] + [np.asarray(present[k]).shape[1] for k in keys])
+  patterns = [{k: row[widths[i]:widths[i + 1]] for i, k in enumerate(keys)} for row in unique]
+  return patterns, pattern_of.reshape(-1).astype(np.int32)
+
+
 def pad_stacks(params: dict, split: StackSplit) -> dict:
   """The model's parameters with each stack of `split` padded."""
   return {**params, **{name: pad(params[name], c) for name, c in split}}
