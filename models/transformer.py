@@ -70,7 +70,7 @@ def _stack(block, num_layers: int, cfg: ModelConfig, compute, layout, rngs: nnx.
   return stack(rngs)
 
 
-def _rows(present):
+def layer_rows(present):
   """A stack's rows as the layer scan reads them. A numpy `present` (a position's rows known when
   tracing: the pipeline's last, whose backward runs the multi-token prediction) stays numpy, so
   each row's conditional has a constant predicate, which XLA drops: a padding row then costs
@@ -258,7 +258,7 @@ class Transformer(nnx.Module):
           _, y = jax.eval_shape(block, x, layer_state, window)
           return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
         return jax.lax.cond(here, run, skip, x, layer_state)
-      stacked = (stacked, _rows(present))
+      stacked = (stacked, layer_rows(present))
       if accumulating:
         acc, use_max = (acc, None), (use_max, None)
 

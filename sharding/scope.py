@@ -13,7 +13,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.mesh import mesh_sizes
-from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec, role_rules
+from sharding.rules import DEFAULT_RULES, Rules, entry_axes, logical_to_spec, role_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,16 @@ def tree_shardings(names_tree: Any, abstract_tree: Any, role: str = "params",
     what = prefix + jax.tree_util.keystr(path, simple=True, separator="/")
     return named_sharding(names, leaf.shape, what, role)
   return jax.tree_util.tree_map_with_path(one, names_tree, abstract_tree, is_leaf=is_names)
+
+
+def specs_over(names_tree: Any, tree: Any, axes: tuple[str, ...], role: str = "params") -> Any:
+  """Each array's PartitionSpec in the current scope with only `axes` kept (the others' entries
+  dropped): what a shard_map manual over those axes alone names (a pipeline stage's experts)."""
+  def one(path, names, leaf):
+    full = spec(names, leaf.shape, role + jax.tree_util.keystr(path), role)
+    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in full]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+  return jax.tree_util.tree_map_with_path(one, names_tree, tree, is_leaf=is_names)
 
 
 def constrain_tree(tree: Any, names_tree: Any, role: str) -> Any:

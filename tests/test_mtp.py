@@ -215,7 +215,7 @@ def test_the_positions_padding_rows_run_nothing():
   245 ms, and no branch runs its dense and its MoE rows together)."""
   from unittest import mock
   from models import transformer
-  from tests.test_uneven_stages import _dot_free_branches
+  from tests.test_uneven_stages import dot_free_branches
 
   def program():  # a fresh Trainer: its own jit, traced again
     trainer = Trainer(harness.config(MeshConfig(data=4, pipeline=2), model=with_mtp(3),
@@ -224,10 +224,10 @@ def test_the_positions_padding_rows_run_nothing():
     with trainer.scope():
       return trainer.train_step.lower(trainer.abstract_state,
                                       trainer.abstract_batch()).compile().as_text()
-  with mock.patch.object(transformer, "_rows", jnp.asarray):
+  with mock.patch.object(transformer, "layer_rows", jnp.asarray):
     traced = program()
   static = program()
-  assert _dot_free_branches(static) < _dot_free_branches(traced)
+  assert dot_free_branches(static) < dot_free_branches(traced)
   assert static.count(" dot(") < traced.count(" dot(")
 
 

@@ -92,7 +92,7 @@ def _branch_dots(hlo_text: str) -> list[list[int]]:
           for instrs in comps.values() for ins in instrs if ins.op == "conditional"]
 
 
-def _dot_free_branches(hlo_text: str) -> int:
+def dot_free_branches(hlo_text: str) -> int:
   """Conditionals with a branch that runs no matmul while another branch does."""
   return sum(min(counts) == 0 < max(counts) for counts in _branch_dots(hlo_text))
 

@@ -4,14 +4,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax.sharding import PartitionSpec
-
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout
 from sharding.pipeline import executor as pipeline, schedules, stage_split
 from sharding.pipeline.stage_fns import StageFns
-from sharding.rules import entry_axes
-from sharding.scope import is_names, spec
+from sharding.scope import specs_over
 from trainer import loss
 from trainer.config import StepConfig
 
@@ -68,20 +65,6 @@ def stage_fns(graphdef, cfg: StepConfig, layer_chunk_shape, with_mtp: bool
   return StageFns(first, stage, head, last if with_mtp else None, quantize)
 
 
-def expert_specs(layout: Layout, names, params):
-  """Each parameter's PartitionSpec over the stage's expert axes only (`Layout.stage_expert_axes`;
-  the experts' weights: their experts dim), a tree like `params`; None without such axes."""
-  axes = layout.stage_expert_axes
-  if not axes:
-    return None
-
-  def one(path, leaf_names, leaf):
-    full = spec(leaf_names, leaf.shape, "params/" + jax.tree_util.keystr(path), role="params")
-    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in full]
-    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
-  return jax.tree_util.tree_map_with_path(one, names, params, is_leaf=is_names)
-
-
 def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
                            split_microbatches, is_fp8=None):
   """grads_fn(params, batch) -> (gradients summed over tokens, stats), the microbatches flowing
@@ -103,8 +86,10 @@ def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
     by_max = None if is_fp8 is None else (
         {k: is_fp8[k] for k in stacks}, {k: v for k, v in is_fp8.items() if k in shared})
     fns = stage_fns(graphdef, cfg, chunk, shared.get("mtp") is not None)
-    split = expert_specs(layout, {k: names[k] for k in params}, params)
-    split = split and ({k: split[k] for k in stacks}, {k: split[k] for k in shared})
+    split = None  # each weight's split over the stage's expert axes (Layout.stage_expert_axes)
+    if layout.stage_expert_axes:
+      split = specs_over({k: names[k] for k in params}, params, layout.stage_expert_axes)
+      split = ({k: split[k] for k in stacks}, {k: split[k] for k in shared})
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
         layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)

@@ -127,14 +127,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   local = jax.tree.map(lambda w: _vary(w, replica_axes), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
   live = stage_split.live_chunks(schedule.positions(), present or {}, local)
-  # The last position's rows, static: its backward (with the multi-token prediction, which only
-  # it runs) skips its padding rows outright, so a lock-step tick is not priced, or run, at a
-  # whole chunk plus that module where the split gives the last position fewer layers.
+  # Each position's rows, static (numpy), so XLA drops its padding rows' conditionals: a
+  # forward or backward runs under a switch over the positions' distinct row patterns, and the
+  # last position's backward (with the multi-token prediction, which only it runs) with its own;
+  # a lock-step tick is priced at its costliest pattern, not at every stack's rows present.
   last_rows = {k: np.asarray(v)[last_position] for k, v in (present or {}).items()}
-  # Likewise every position's: a forward or backward runs under a switch over the positions'
-  # distinct row patterns, each with its rows static, so a tick is priced (and run) at its
-  # costliest pattern, not at every stack's rows all present (DeepSeek-V3: 2 dense layers and 2
-  # MoE layers, where a position holds either).
   patterns, pattern_of = stage_split.row_patterns(present or {})
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
@@ -176,8 +173,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # Megatron's main_grad keep them: 128 bf16 additions lose the small microbatches' part).
   summed = lambda tree, by: zeros(jax.tree.map(lambda a, m: jax.ShapeDtypeStruct(
       a.shape, a.dtype if m or accum_dtype is None else accum_dtype), tree, by))
-  # A stack's sums only for its live chunks (stage_split.live_chunks): chunk c adds into sum
-  # slot[c].
+  # A stack's sums only for its live chunks (stage_split.live_chunks): chunk c adds to slot[c].
   slot = {k: jnp.asarray(np.maximum(np.cumsum(l) - 1, 0)) for k, l in live.items()}
   live_shapes = {k: jax.tree.map(lambda w, n=int(live[k].sum()): jax.ShapeDtypeStruct(
       (n, *w.shape[1:]), w.dtype), v) for k, v in local.items()}
