@@ -72,9 +72,9 @@ def _stack(block, num_layers: int, cfg: ModelConfig, compute, layout, rngs: nnx.
 
 def layer_rows(present):
   """A stack's rows as the layer scan reads them. A numpy `present` (a position's rows known when
-  tracing: the pipeline's last, whose backward runs the multi-token prediction) stays numpy, so
-  each row's conditional has a constant predicate, which XLA drops: a padding row then costs
-  nothing, also in the step-time model, which prices a conditional at its costliest branch."""
+  tracing: the pipeline executor's row patterns) stays numpy, so each row's conditional has a
+  constant predicate, which XLA drops: a padding row then costs nothing, also in the step-time
+  model, which prices a conditional at its costliest branch."""
   return present if isinstance(present, np.ndarray) else jnp.asarray(present)
 
 

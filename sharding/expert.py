@@ -13,7 +13,7 @@ from kernels.residuals import keep
 from sharding.mesh import LayoutError, mesh_sizes
 from sharding.rules import entry_axes
 from sharding.scope import spec
-from sharding.shard_map import stage_shard_map
+from sharding.shard_map import stage_shard_map, varying_over
 
 Names = tuple[str | None, ...]
 TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
@@ -158,7 +158,7 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   # sum over them, and the psum that ends it then runs on these [b*l, D] tokens, once, where the
   # experts' matmul would sum each round's received buffer (k x the exchange capacity x their
   # rows: DeepSeek-V3's [65536, 7168] over `tensor`, five times a tick).
-  x_BLD = _varying(x_BLD, partial_axes)
+  x_BLD = varying_over(x_BLD, partial_axes)
   expert = ids_BLk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
   back = _inverse(order)
@@ -249,18 +249,11 @@ def _exchange(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchan
     return round_fn(x_sorted, counts, params, 0)
   n = _size(axes)
   heaviest = jnp.max(jnp.sum(counts.reshape(n, -1), axis=1)).astype(jnp.int32)
-  rounds = _ceil_div(jax.lax.pmax(_varying(heaviest, sync_axes), sync_axes), capacity)
+  rounds = _ceil_div(jax.lax.pmax(varying_over(heaviest, sync_axes), sync_axes), capacity)
   # Named (kept by remat="none", models/compute.py): else the backward would run the forward's
   # rounds again only to have their output.
-  return keep(_rounds(round_fn, _varying(jnp.zeros_like(x_sorted), sync_axes), rounds,
+  return keep(_rounds(round_fn, varying_over(jnp.zeros_like(x_sorted), sync_axes), rounds,
                       x_sorted, counts, *params))
-
-
-def _varying(x, axes):
-  """x typed as varying over `axes` too (shard_map's varying-axes check): the rounds' loop
-  carries must have the type of what a round adds to them."""
-  extra = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-  return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -274,7 +267,7 @@ def _rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
 
 def _forward_rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
   # Typed like the rows too: one replica's rows (per_replica) vary over the vmapped mesh axis.
-  zeros = _varying(zeros, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
+  zeros = varying_over(zeros, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
 
   def body(carry):
     r, y = carry

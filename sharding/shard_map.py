@@ -82,6 +82,14 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
   return wrapped
 
 
+def varying_over(x, axes):
+  """x typed as varying over `axes` too, those it does not vary over already (shard_map's
+  varying-axes check: loop carries typed as what adds to them, an expert's weight that already
+  varies over its own axes)."""
+  extra = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+  return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
 def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
                     opaque: bool = False) -> Callable:
   """`fn` under a shard_map nested in a pipeline stage's (manual over the pipeline axis and the

@@ -11,6 +11,7 @@ from sharding.pipeline.head_pieces import HeadPieces
 from sharding.pipeline.shared_grads import Leaves, embedding_grads
 from sharding.pipeline.stage_fns import StageFns
 from sharding.scope import excluding
+from sharding.shard_map import varying_over
 
 
 def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
@@ -19,13 +20,6 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
   (and the gradients back)."""
   return jnp.asarray([schedule.position(c, s) for s in range(schedule.stages)
                       for c in range(schedule.virtual)])
-
-
-def _vary(a, axes):
-  """`a` typed as varying over `axes` too (those it does not vary over already: an expert's
-  weight does over its own axes)."""
-  extra = tuple(x for x in axes if x not in jax.typeof(a).manual_axis_type.varying)
-  return jax.lax.pcast(a, extra, to="varying") if extra else a
 
 
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
@@ -124,15 +118,15 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   own = lambda w: frozenset(jax.typeof(w).manual_axis_type.varying) - {axis}
   layer_own, shared_own = jax.tree.map(own, layers), jax.tree.map(own, shared)
   # As varying values their gradients stay per replica (no implicit psum).
-  local = jax.tree.map(lambda w: _vary(w, replica_axes), local)
+  local = jax.tree.map(lambda w: varying_over(w, replica_axes), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
   live = stage_split.live_chunks(schedule.positions(), present or {}, local)
   # Each position's rows, static (numpy), so XLA drops its padding rows' conditionals: a
   # forward or backward runs under a switch over the positions' distinct row patterns, and the
   # last position's backward (with the multi-token prediction, which only it runs) with its own;
   # a lock-step tick is priced at its costliest pattern, not at every stack's rows present.
-  last_rows = {k: np.asarray(v)[last_position] for k, v in (present or {}).items()}
   patterns, pattern_of = stage_split.row_patterns(present or {})
+  last_rows = patterns[pattern_of[last_position] if present else 0]
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
   # The head's tokens split over the stages (sharding/pipeline/head_pieces.py).
@@ -161,7 +155,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   last_reads = None if fns.last is None else Leaves.read_by(fns.last, shared, x, first_mb)
   # Every value here differs per stage (and replica): zeros too are typed as varying over the
   # manual axes, so the branches of the per-stage switch agree on their types.
-  vary = lambda tree: jax.tree.map(lambda a: _vary(a, manual), tree)
+  vary = lambda tree: jax.tree.map(lambda a: varying_over(a, manual), tree)
   zeros = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree))
   buffer = vary(jnp.zeros((virtual, slots, *act.shape), act.dtype))
   # The shared weights are replicated over stages; as varying values their gradients stay
