@@ -78,6 +78,21 @@ def layer_rows(present):
   return present if isinstance(present, np.ndarray) else jnp.asarray(present)
 
 
+def unstacked(tree, n: int) -> list:
+  """The n rows of a tree stacked on its leading dim, for a loop unrolled over them. A row is
+  cut out by lax.split, whose transpose concatenates the rows' gradients: indexing's transpose
+  pads each row's gradient and adds them up, and XLA 0.10.2's all-reduce reassociation turns
+  that sum of bf16-converted f32 all-reduces into one bf16 all-reduce that keeps the f32
+  reduction, which its combiner then packs with f32 all-reduces and its contiguous pass bitcasts
+  f32 to bf16: wrong sums, and an abort on the DeepSeek-V3-like PP32 CP4 TP4 layout (tests/
+  test_stage_rows.py). Numpy leaves (static row patterns) stay numpy."""
+  leaves, treedef = jax.tree.flatten(tree)
+  cut = lambda a: list(a) if isinstance(a, np.ndarray) else [
+      r.squeeze(0) for r in jax.lax.split(a, [1] * n)]
+  columns = [cut(a) for a in leaves]
+  return [treedef.unflatten([c[i] for c in columns]) for i in range(n)]
+
+
 class Transformer(nnx.Module):
   """A Llama decoder. Every layer weight has a leading `layers` dim (one compiled layer body).
 
@@ -266,8 +281,8 @@ class Transformer(nnx.Module):
       if len(windows) == 1:
         return layer(x, rows, windows[0])
       ys = []
-      for j, window in enumerate(windows):
-        x, y = layer(x, jax.tree.map(lambda a, j=j: a[j], rows), window)
+      for window, row in zip(windows, unstacked(rows, len(windows))):
+        x, y = layer(x, row, window)
         ys.append(y)
       return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
@@ -297,8 +312,8 @@ class Transformer(nnx.Module):
       x, ys = jax.lax.scan(body, x, stacked)
     else:  # unrolled: the same body and weights (compute.scan_layers=False: for debugging)
       outs = []
-      for i in range(groups):
-        x, y = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+      for group in unstacked(stacked, groups):
+        x, y = body(x, group)
         outs.append(y)
       ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
     return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if period else a, ys)

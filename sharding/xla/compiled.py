@@ -4,7 +4,7 @@ import dataclasses
 import os
 import re
 
-from sharding.xla import branches, hlo, overlap, step_time
+from sharding.xla import branches, hlo, overlap, soundness, step_time
 
 GIB = 1024 ** 3
 _TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
@@ -116,6 +116,7 @@ def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -
   costs = costs[0] if isinstance(costs, list) else costs
   flops = float(costs["flops"]) if costs and "flops" in costs else None
   text = compiled.as_text()
+  soundness.check(text)  # before anything is reported of a program XLA got wrong
   cols = hlo.collectives(text, len(devices))
   rows = [dict(dataclasses.asdict(c), wire_bytes=c.wire_bytes, total_wire_bytes=c.total_wire_bytes)
           for c in cols]

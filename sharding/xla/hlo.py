@@ -131,7 +131,7 @@ def _leaves(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
   return out
 
 
-def _nbytes(leaves) -> int:
+def bytes_of(leaves) -> int:  # of arrays(type): [(dtype, shape)]
   total = 0
   for dtype, shape in leaves:
     # Bits are the first number in XLA's type names (bf16, f8e4m3fn, s4); token[] carries none.
@@ -340,7 +340,7 @@ def _payload(kind: str, is_start: bool, type_str: str) -> str:
   parts = _split_top(type_str)
   if kind == "ragged-all-to-all":  # ((input, output, offsets and sizes...), output)
     sent, received = _split_top(parts[0])[0], parts[-1]
-    return min(sent, received, key=lambda t: _nbytes(_leaves(t)))
+    return min(sent, received, key=lambda t: bytes_of(_leaves(t)))
   if kind == "collective-permute":
     return parts[1]  # (operand, result, context...)
   return parts[-1]  # (operand(s), result)
@@ -373,7 +373,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       leaves = _leaves(_payload(kind, is_start, ins.type))
       permute = kind == "collective-permute"
       n = _permute_group_size(ins) if permute else _group_size(ins, all_devices)
-      nbytes = _nbytes(leaves) * (n if kind == "reduce-scatter" else 1)
+      nbytes = bytes_of(leaves) * (n if kind == "reduce-scatter" else 1)
       dtype, shape = leaves[0] if leaves else ("", ())
       out.append(Collective(kind=kind, dtype=dtype, shape=shape, bytes=nbytes, group_size=n,
                             is_async=is_start or comp in async_comps, count=count[comp],

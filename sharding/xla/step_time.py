@@ -159,7 +159,7 @@ class _Walk:
     return False
 
   def kernel_bytes(self, ins: hlo.Instr, types: dict) -> float:
-    nbytes = lambda type_str: hlo._nbytes(hlo.arrays(type_str))  # noqa: E731
+    nbytes = lambda type_str: hlo.bytes_of(hlo.arrays(type_str))  # noqa: E731
     operands = hlo.operands(ins)
     out = nbytes(ins.type)
     fused = [c for c in hlo.callees(ins) if c in self.comps] if ins.op == "fusion" else []
