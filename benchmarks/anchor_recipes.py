@@ -171,7 +171,11 @@ ANCHORS = (
            8192, 4096, 128, "selective",
            PAIRED + " force-balanced routing; Megatron recomputes the MLA up-projections and MLPs"
            " (meshtron: remat=selective, which its stages' unrolled chunks of 2 layers run as"
-           " none: the executor recomputes each chunk's forward in its backward)",
+           " none: the executor recomputes each chunk's forward in its backward); both keep each"
+           " expert whole on a device and route each device's own part of the sequence (the"
+           " recipe's expert tensor parallelism of 1; meshtron, as under any sequence"
+           " parallelism: its 256 experts over expert x tensor, 128 devices, where Megatron's 64"
+           " hold 4 each, twice)",
            compute=_fp8(), routing=_FORCE_BALANCED,
            master_weights=True),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"

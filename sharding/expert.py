@@ -17,6 +17,7 @@ from sharding.shard_map import stage_shard_map, varying_over
 
 Names = tuple[str | None, ...]
 TOKEN_NAMES = ("batch", "seq", None)  # x [B, L, D] (D whole), expert ids and weights [B, L, k]
+FOLDED_TOKEN_NAMES = ("batch", "res_seq", None)  # the same, split as the residual stream
 EXCHANGES = ("auto", "padded", "ragged")
 
 
@@ -93,9 +94,21 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
   if num_experts % shards:
     raise LayoutError(f"moe: {num_experts} experts cannot be split over"
                       f" {' x '.join(f'{a}={sizes[a]}' for a in expert_axes)}")
-  token_spec = spec(TOKEN_NAMES, x_BLD.shape, "moe tokens")
-  choice_spec = spec(TOKEN_NAMES, ids_BLk.shape, "moe expert choices")
+  token_names = TOKEN_NAMES
+  folded = set(expert_axes) & set(entry_axes(spec(FOLDED_TOKEN_NAMES, x_BLD.shape)[1]))
+  if folded and not partial_axes:
+    # Experts split over an axis that splits the sequence too (`tensor` under sequence
+    # parallelism, rule experts=expert+tensor): each device routes its own part of it, as
+    # Megatron's expert tensor parallelism of 1 does (gathered, each token went from each).
+    token_names = FOLDED_TOKEN_NAMES
+  token_spec = spec(token_names, x_BLD.shape, "moe tokens")
+  choice_spec = spec(token_names, ids_BLk.shape, "moe expert choices")
   token_axes = {a for entry in token_spec for a in entry_axes(entry)}
+  if unsplit := sorted(set(expert_axes) - token_axes - set(manual)):
+    raise LayoutError(f"moe: the experts are split over {', '.join(unsplit)}, which does not"
+                      " split the tokens, so each of its devices would route the same tokens;"
+                      " split the sequence over it too (mesh.sequence_parallel=true for tensor)"
+                      " or drop it from the experts' sharding rule")
   axes = ExpertAxes(expert_axes, partial_axes,
                     tuple(sorted(token_axes - {*expert_axes, *partial_axes})))
   static["expert_fn"] = functools.partial(expert_fn, axes=axes)

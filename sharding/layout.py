@@ -79,6 +79,7 @@ class Layout:
   # are handed out along each whole sequence.
   sequence_parts_apart: bool = True
   moe_dispatch: str = "dropless"  # model.moe's ("dropping": XLA partitions its einsums)
+  num_experts: int = 0  # model.moe's routed experts (0: a dense model)
   # Uneven pipeline stages: ((stack, its layers per position), ...) (stage_split.StackSplit),
   # each stack stored padded to its largest position; () when every stack divides evenly.
   stacks: tuple = ()
@@ -145,11 +146,16 @@ class Layout:
 
   def rules_for(self, vocab: int, seq_len: int, overrides: str = "") -> Rules:
     """The logical -> mesh rules of this layout: the default table with `overrides` (rows like
-    "embed=fsdp+data"), then the layout's additions (sequence parallelism, vocab split, lookup)."""
-    table = with_overrides(DEFAULT_RULES, parse_overrides(overrides))
+    "embed=fsdp+data"), then the layout's additions (sequence parallelism, vocab split, lookup,
+    experts over tensor unless `overrides` sets the experts' row: experts=expert splits each
+    expert's hidden dim over tensor instead)."""
+    chosen = parse_overrides(overrides)
+    table = with_overrides(DEFAULT_RULES, chosen)
     return layout_rules(table, sequence_parallel=self.sequence_parallel,
                         vocab_over_fsdp=self.splits_vocab(vocab, seq_len),
-                        lookup_rows=self.moves_lookup_rows(vocab, seq_len))
+                        lookup_rows=self.moves_lookup_rows(vocab, seq_len),
+                        experts_over_tensor="experts" not in chosen and experts_over_tensor(
+                            self, self.num_experts, self.moe_dispatch))
 
   # ---- decisions derived from the rules and sizes ----
 
@@ -312,6 +318,17 @@ class Layout:
   def mesh_config(self) -> MeshConfig:
     """The trainer's mesh config of this layout."""
     return MeshConfig(**self.sizes(), **{k: getattr(self, k) for k in MESH_SWITCHES})
+
+
+def experts_over_tensor(layout: Layout, num_experts: int, dispatch: str) -> bool:
+  """Whether a dropless MoE's experts are split over `tensor` as well as `expert`, each device
+  routing its own part of the sequence: under sequence parallelism (which splits the sequence
+  over `tensor`) when the experts divide. Megatron's expert tensor parallelism of 1: against
+  splitting each expert's hidden dim over `tensor`, it sends half the tokens (a tensor pair's
+  devices no longer both send the pair's gathered tokens) and skips the gather and scatter of
+  the sequence around the experts (sharding/expert.py)."""
+  return (dispatch == "dropless" and layout.tensor > 1 and layout.sequence_parallel
+          and num_experts > 0 and num_experts % (layout.expert * layout.tensor) == 0)
 
 
 _INTS = (*AXES, "zero_stage", "virtual_stages", "micro_batch", "microbatches")

@@ -45,7 +45,8 @@ def layout_of(mesh: MeshConfig, num_devices: int, model, compute=None, *, batch_
   layout = Layout(**sizes, **{k: getattr(mesh, k) for k in MESH_SWITCHES},
                   micro_batch=batch_size // (shards * microbatches), microbatches=microbatches,
                   remat=compute.remat, context_impl=compute.context_impl,
-                  moe_dispatch=getattr(getattr(model, "moe", None), "dispatch", "dropless"))
+                  moe_dispatch=getattr(getattr(model, "moe", None), "dispatch", "dropless"),
+                  num_experts=getattr(getattr(model, "moe", None), "num_experts", 0))
   _check_model_fits(layout, model, compute, seq_len)
   layout.splits_vocab(model.vocab_size, seq_len)  # a bad vocab_over_fsdp setting is an error
   return layout

@@ -98,13 +98,17 @@ ZERO_AXES = ("data", "context", "expert")
 
 
 def layout_rules(rules: Rules, *, sequence_parallel: bool = False,
-                 vocab_over_fsdp: bool = False, lookup_rows: bool = False) -> Rules:
+                 vocab_over_fsdp: bool = False, lookup_rows: bool = False,
+                 experts_over_tensor: bool = False) -> Rules:
   """The rules of a layout. Sequence parallelism adds `tensor` to `res_seq`: the residual stream
   is sequence-sharded between the tensor-parallel regions (attention, MLP, head), which keep the
   whole sequence and split heads / hidden / vocab instead. `vocab_over_fsdp` (see
   `split_vocab_over_fsdp`) adds `fsdp` to the vocab dims of the weights and the logits.
-  `lookup_rows` (see `lookup_moves_rows`) adds it to `lookup_embed`."""
+  `lookup_rows` (see `lookup_moves_rows`) adds it to `lookup_embed`. `experts_over_tensor`
+  (sharding.layout.experts_over_tensor) adds `tensor` to the experts' dim."""
+  experts = dict(rules).get("experts", ())
   added = {"res_seq": ("tensor",) if sequence_parallel else (),
+           "experts": ("tensor",) if experts_over_tensor and "tensor" not in experts else (),
            "vocab": ("fsdp",) if vocab_over_fsdp else (),
            "act_vocab": ("fsdp",) if vocab_over_fsdp else (),
            "lookup_embed": ("fsdp",) if lookup_rows else ()}

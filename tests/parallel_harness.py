@@ -36,11 +36,12 @@ class Result:
 
 def config(mesh_cfg: sharding.MeshConfig, *, microbatches: int = 1, remat: str = "none",
            model: ModelConfig = MODEL, moe: MoEConfig | None = None,
-           compute: ComputeConfig = COMPUTE) -> TrainConfig:
+           compute: ComputeConfig = COMPUTE, sharding_rules: str = "") -> TrainConfig:
   """The harness run's config; `moe` turns the model into an MoE (tests/test_moe_parallel.py)."""
   cfg = TrainConfig(model=model, compute=dataclasses.replace(compute, remat=remat),
                     mesh=mesh_cfg, optim=OPTIM, data=DataConfig(source="synthetic"),
-                    batch_size=BATCH, seq_len=SEQ, microbatches=microbatches, steps=STEPS)
+                    batch_size=BATCH, seq_len=SEQ, microbatches=microbatches, steps=STEPS,
+                    sharding_rules=sharding_rules)
   if moe is not None:
     cfg.model = dataclasses.replace(cfg.model, moe=moe)
     # Pure expert parallelism keeps the dense weights whole on every device by design (they

@@ -135,6 +135,20 @@ def test_expert_parallelism_exchanges_the_routed_tokens_and_spares_the_experts_g
   assert got["data"] == pytest.approx(2 * 0.5 * (2 * (256 + 32) + 1_600 + NORMS) * 4)
 
 
+def test_experts_over_expert_and_tensor_exchange_each_devices_sequence_part():
+  # expert 2 x tensor 2 with sequence parallelism: the experts split over the 4 devices
+  # (sharding.layout.experts_over_tensor) and each device sends its own 8 of the 16 tokens: 4 x
+  # 3/4 x 256 a layer; without sequence parallelism the tokens are whole on each tensor device
+  # and each expert's hidden dim is split instead: the exchange over the 2 expert devices.
+  moe = dataclasses.replace(MODEL, moe=MoESpec(num_experts=4, experts_per_token=2,
+                                               expert_mlp_dim=16, dispatch="dropless"))
+  folded = minimum_bytes(moe, Layout(expert=2, tensor=2, sequence_parallel=True), SEQ,
+                         PRECISION)
+  split = minimum_bytes(moe, Layout(expert=2, tensor=2), SEQ, PRECISION)
+  assert folded["expert"] == pytest.approx(2 * 4 * 0.75 * 256)
+  assert split["expert"] == pytest.approx(2 * 4 * 0.5 * 512)
+
+
 def test_a_composed_layout_adds_its_axes():
   """fsdp 2 x tensor 2 x pipeline 2, 2 microbatches: each axis as on its own, over its share."""
   got = bytes_of(fsdp=2, tensor=2, pipeline=2, microbatches=2)

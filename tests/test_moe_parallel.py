@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import sharding
+from sharding.mesh import LayoutError
 from configs import moe as moe_configs
 from models import ComputeConfig
 from models.config import MoEConfig
@@ -51,6 +52,7 @@ def reference(moe: MoEConfig):
   return _REFERENCES[moe.dispatch]
 
 
+HIDDEN_SPLIT = "experts=expert"  # each expert's hidden dim over tensor (the default without SP)
 # Gradient accumulation vmaps the loss over microbatch replicas (over `data` with data > 1):
 # the dropless executor's shard_map, sort and ragged_dot must survive that vmap too.
 LAYOUTS = {
@@ -71,6 +73,14 @@ LAYOUTS = {
         dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
+    # Under sequence parallelism the experts split over expert x tensor, each device routing
+    # its own part of the sequence (Megatron's expert tensor parallelism of 1); the rule
+    # experts=expert splits each expert's hidden dim over tensor instead.
+    "expert=2,tensor=2,data=2,sp,dropless": (
+        M(expert=2, tensor=2, data=2, sequence_parallel=True), MOE, {}),
+    "expert=2,tensor=2,data=2,sp,dropless,experts=expert": (
+        M(expert=2, tensor=2, data=2, sequence_parallel=True), MOE,
+        dict(sharding_rules=HIDDEN_SPLIT)),
 }
 
 
@@ -90,6 +100,32 @@ def test_references_are_not_trivial():
       assert np.abs(end - start).max() > 1e-4
   cfg = harness.config(M(), moe=DROPPING).model
   assert cfg.moe.capacity_factor * cfg.moe.experts_per_token < cfg.moe.num_experts
+
+
+def test_experts_over_expert_and_tensor_exchange_each_devices_own_tokens():
+  """Under sequence parallelism the experts split over tensor too by default, and the sequence
+  stays split over tensor into the exchange: every device sends its own tokens over 4 devices,
+  where with each expert's hidden dim split over tensor (HIDDEN_SPLIT) both devices of a tensor
+  pair gather the pair's tokens and send all of them over 2."""
+  mesh = M(expert=2, tensor=2, data=2, sequence_parallel=True)
+
+  def exchanges(rules):
+    cols = hlo.collectives(harness.compile_step(mesh, moe=MOE, sharding_rules=rules).as_text())
+    return {(c.group_size, c.shape) for c in cols if c.kind == "all-to-all" and c.dtype == "f32"}
+  (hidden_group, hidden_rows), = exchanges(HIDDEN_SPLIT)
+  (folded_group, folded_rows), = exchanges("")
+  assert (hidden_group, folded_group) == (2, 4)
+  # The buffer for all 4 devices holds a quarter of the rows the pair's 2 did: half the
+  # tokens, each worst case spread over twice the devices.
+  assert folded_rows[1] * 4 == hidden_rows[1]
+
+
+def test_experts_over_an_axis_that_leaves_the_tokens_whole_are_refused():
+  """Without sequence parallelism the tokens are whole on every tensor device: experts split
+  over tensor too would have each of them route the same tokens."""
+  with pytest.raises(LayoutError, match="split over tensor, which does not split the tokens"):
+    harness.compile_step(M(expert=2, tensor=2, data=2), moe=MOE,
+                         sharding_rules="experts=expert+tensor")
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,7 +63,13 @@ def _rows_program(cut, **compiler_options):
   args = (jax.ShapeDtypeStruct((2, 256), jnp.bfloat16),
           jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16),
           jax.ShapeDtypeStruct((8, 256), jnp.float32))
-  return step.lower(*args).compile(), devices
+  # A deviceless executable cannot be read back from the tests' persistent cache: not cached.
+  cached = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return step.lower(*args).compile(), devices
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cached)
 
 
 def test_xla_miscompiles_indexed_rows_and_the_report_refuses_the_program():

@@ -5,7 +5,7 @@ import dataclasses
 import math
 
 from sharding.pipeline import schedules
-from sharding.layout import Layout
+from sharding.layout import Layout, experts_over_tensor
 from sharding.mesh import AXES
 from sharding.plan import context_parallel
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
@@ -165,11 +165,23 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
     sent = act / (lay.tensor if lay.sequence_parallel else 1)
     out.append(Collective(("pipeline",), "p2p", "pipeline", sent,
                           2 * ga * lay.virtual_stages, lay.pipeline))
-  if lay.expert > 1 and m.moe:
-    routed = act * m.moe.experts_per_token * m.moe_share()
-    out.append(Collective(("expert",), "all-to-all", "expert", routed, 4 * layer_passes,
-                          lay.expert))
+  axes, group = exchange_group(m, lay)
+  if group > 1:  # each device's own tokens when the experts span `tensor` (its sequence part)
+    routed = act * m.moe.experts_per_token * m.moe_share() / (lay.tensor if "tensor" in axes
+                                                                else 1)
+    out.append(Collective(axes, "all-to-all", "expert", routed, 4 * layer_passes, group))
   return out
+
+
+def exchange_group(model, layout: Layout) -> tuple[tuple[str, ...], int]:
+  """(mesh axes, devices) the MoE's token exchange runs over: `expert`, and `tensor` too where
+  the experts span it (sharding.layout.experts_over_tensor)."""
+  m, lay = model_spec(model), layout
+  if not m.moe:
+    return (), 1
+  folded = experts_over_tensor(lay, m.moe.num_experts, m.moe.dispatch)
+  axes = ("expert", "tensor") if folded else ("expert",)
+  return axes, math.prod(getattr(lay, a) for a in axes)
 
 
 # ---- how long a step takes ----
@@ -247,9 +259,10 @@ def grouped_rows_ratio(model, layout: Layout) -> float:
   (0: the worst case, all of a peer's assignments to this device), as sharding/expert.py sizes
   it; the compiled-program model prices the kernel over all of its buffer's rows. 1 without."""
   m, lay = model_spec(model), layout
-  if not m.moe or lay.expert <= 1:
+  _, n = exchange_group(m, lay)
+  if n <= 1:
     return 1.0
-  k, n = m.moe.experts_per_token, lay.expert
+  k = m.moe.experts_per_token
   worst = n * min(k, m.moe.num_experts // n) / k
   return min(worst, m.moe.exchange_capacity) if m.moe.exchange_capacity else worst
 

@@ -45,7 +45,7 @@ import math
 from sharding.layout import Layout
 from sharding.plan import context_parallel
 from sharding.plan.estimate import Precision, model_spec, param_counts, stage_layers
-from sharding.plan.hardware import ring_hops
+from sharding.plan.hardware import exchange_group, ring_hops
 
 AXES = ("fsdp", "data", "tensor", "context", "expert", "pipeline")
 
@@ -98,9 +98,10 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
     payload = context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes)
     out["context"] += ga * layers * (2 + full) * _ring(degree) * payload
 
-  if lay.expert > 1 and m.moe:
-    routed = act * m.moe.experts_per_token
-    out["expert"] = ga * layers * m.moe_share() * (4 + 2 * full) * _ring(lay.expert) * routed
+  axes, group = exchange_group(m, lay)
+  if group > 1:  # over expert x tensor, each device's own sequence part (experts_over_tensor)
+    routed = act * m.moe.experts_per_token / (lay.tensor if "tensor" in axes else 1)
+    out["expert"] = ga * layers * m.moe_share() * (4 + 2 * full) * _ring(group) * routed
 
   if lay.pipeline > 1:
     sent = act / (lay.tensor if lay.sequence_parallel else 1)
