@@ -323,12 +323,15 @@ class Layout:
 def experts_over_tensor(layout: Layout, num_experts: int, dispatch: str) -> bool:
   """Whether a dropless MoE's experts are split over `tensor` as well as `expert`, each device
   routing its own part of the sequence: under sequence parallelism (which splits the sequence
-  over `tensor`) when the experts divide. Megatron's expert tensor parallelism of 1: against
-  splitting each expert's hidden dim over `tensor`, it sends half the tokens (a tensor pair's
-  devices no longer both send the pair's gathered tokens) and skips the gather and scatter of
-  the sequence around the experts (sharding/expert.py)."""
-  return (dispatch == "dropless" and layout.tensor > 1 and layout.sequence_parallel
-          and num_experts > 0 and num_experts % (layout.expert * layout.tensor) == 0)
+  over `tensor`) with an exchange over `expert` to join, when the experts divide. Megatron's
+  expert tensor parallelism of 1: against splitting each expert's hidden dim over `tensor`, a
+  device sends 1/tensor of the tokens it did (both devices of a tensor pair sent the pair's
+  gathered tokens) and the sequence is not gathered and scattered around the experts
+  (sharding/expert.py). Without `expert` it would add an exchange of k copies of each token
+  where gathering and scattering the sequence moves one."""
+  return (dispatch == "dropless" and layout.tensor > 1 and layout.expert > 1
+          and layout.sequence_parallel and num_experts > 0
+          and num_experts % (layout.expert * layout.tensor) == 0)
 
 
 _INTS = (*AXES, "zero_stage", "virtual_stages", "micro_batch", "microbatches")
