@@ -98,8 +98,8 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
   folded = set(expert_axes) & set(entry_axes(spec(FOLDED_TOKEN_NAMES, x_BLD.shape)[1]))
   if folded and not partial_axes:
     # Experts split over an axis that splits the sequence too (`tensor` under sequence
-    # parallelism, rule experts=expert+tensor): each device routes its own part of it, as
-    # Megatron's expert tensor parallelism of 1 does (gathered, each token went from each).
+    # parallelism: sharding.layout.experts_over_tensor): each device routes its own part of
+    # it, as Megatron's expert tensor parallelism of 1 does (gathered, each went from each).
     token_names = FOLDED_TOKEN_NAMES
   token_spec = spec(token_names, x_BLD.shape, "moe tokens")
   choice_spec = spec(token_names, ids_BLk.shape, "moe expert choices")
