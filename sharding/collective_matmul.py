@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.mesh import LayoutError
-from sharding.rules import entry_axes
+from sharding.rules import entry_axes, spec_entry
 from sharding.scope import spec
 
 Names = Sequence[str | None]
@@ -139,13 +139,9 @@ def _logical(x, w, x_names, out_names, contract, kind, what):
   if contracted != expected:
     raise LayoutError(f"{what}: contracted dims of x split over {sorted(contracted)}, expected"
                       f" {sorted(expected) or 'none'}")
-  w_spec = jax.sharding.PartitionSpec(*(_entry(x_axes[d]) for d in range(lead, x.ndim)),
-                                       *(_entry(a) for a in out_axes[lead:]))
+  w_spec = jax.sharding.PartitionSpec(*(spec_entry(x_axes[d]) for d in range(lead, x.ndim)),
+                                       *(spec_entry(a) for a in out_axes[lead:]))
   return x_spec, w_spec, out_spec, (found[0] if found else None)
-
-
-def _entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _run(layout, kind: str, x, w, x_names, out_names, contract, what):

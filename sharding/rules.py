@@ -181,6 +181,11 @@ def entry_axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entry(axes: Sequence[str]):
+  """The PartitionSpec entry of a dim split over `axes` (entry_axes' inverse)."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: Mapping[str, int],
                     rules: Rules, what: str = "array") -> PartitionSpec:
   """Resolves logical dim names to a PartitionSpec for one array.
@@ -208,4 +213,4 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh_size
           f" {over}; choose mesh sizes that divide it or override the rule for {names[i]!r}")
     used.update(axes)
     per_dim[i] = axes
-  return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in per_dim))
+  return PartitionSpec(*map(spec_entry, per_dim))

@@ -13,7 +13,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.mesh import mesh_sizes
-from sharding.rules import DEFAULT_RULES, Rules, entry_axes, logical_to_spec, role_rules
+from sharding.rules import (DEFAULT_RULES, Rules, entry_axes, logical_to_spec, role_rules,
+                            spec_entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +151,7 @@ def specs_over(names_tree: Any, tree: Any, axes: tuple[str, ...], role: str = "p
   dropped): what a shard_map manual over those axes alone names (a pipeline stage's experts)."""
   def one(path, names, leaf):
     full = spec(names, leaf.shape, role + jax.tree_util.keystr(path), role)
-    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in full]
-    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+    return PartitionSpec(*(spec_entry([a for a in entry_axes(e) if a in axes]) for e in full))
   return jax.tree_util.tree_map_with_path(one, names_tree, tree, is_leaf=is_names)
 
 

@@ -165,23 +165,23 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
     sent = act / (lay.tensor if lay.sequence_parallel else 1)
     out.append(Collective(("pipeline",), "p2p", "pipeline", sent,
                           2 * ga * lay.virtual_stages, lay.pipeline))
-  axes, group = exchange_group(m, lay)
-  if group > 1:  # each device's own tokens when the experts span `tensor` (its sequence part)
-    routed = act * m.moe.experts_per_token * m.moe_share() / (lay.tensor if "tensor" in axes
-                                                                else 1)
+  axes, group, share = exchange_group(m, lay)
+  if group > 1:
+    routed = act * share * m.moe.experts_per_token * m.moe_share()
     out.append(Collective(axes, "all-to-all", "expert", routed, 4 * layer_passes, group))
   return out
 
 
-def exchange_group(model, layout: Layout) -> tuple[tuple[str, ...], int]:
-  """(mesh axes, devices) the MoE's token exchange runs over: `expert`, and `tensor` too where
-  the experts span it (sharding.layout.experts_over_tensor)."""
+def exchange_group(model, layout: Layout) -> tuple[tuple[str, ...], int, float]:
+  """(mesh axes, devices, share of a microbatch's tokens on a device that it routes) of the
+  MoE's token exchange: over `expert`, and over `tensor` too where the experts span it
+  (sharding.layout.experts_over_tensor), each device then routing its own sequence part."""
   m, lay = model_spec(model), layout
   if not m.moe:
-    return (), 1
+    return (), 1, 1.0
   folded = experts_over_tensor(lay, m.moe.num_experts, m.moe.dispatch)
   axes = ("expert", "tensor") if folded else ("expert",)
-  return axes, math.prod(getattr(lay, a) for a in axes)
+  return axes, math.prod(getattr(lay, a) for a in axes), 1 / lay.tensor if folded else 1.0
 
 
 # ---- how long a step takes ----
@@ -259,7 +259,7 @@ def grouped_rows_ratio(model, layout: Layout) -> float:
   (0: the worst case, all of a peer's assignments to this device), as sharding/expert.py sizes
   it; the compiled-program model prices the kernel over all of its buffer's rows. 1 without."""
   m, lay = model_spec(model), layout
-  _, n = exchange_group(m, lay)
+  _, n, _ = exchange_group(m, lay)
   if n <= 1:
     return 1.0
   k = m.moe.experts_per_token

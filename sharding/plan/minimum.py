@@ -98,9 +98,9 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
     payload = context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes)
     out["context"] += ga * layers * (2 + full) * _ring(degree) * payload
 
-  axes, group = exchange_group(m, lay)
-  if group > 1:  # over expert x tensor, each device's own sequence part (experts_over_tensor)
-    routed = act * m.moe.experts_per_token / (lay.tensor if "tensor" in axes else 1)
+  _, group, share = exchange_group(m, lay)
+  if group > 1:
+    routed = act * share * m.moe.experts_per_token
     out["expert"] = ga * layers * m.moe_share() * (4 + 2 * full) * _ring(group) * routed
 
   if lay.pipeline > 1:
