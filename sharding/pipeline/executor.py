@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec
 
 from sharding.pipeline import schedules as sched, stage_split
 from sharding.pipeline.head_pieces import HeadPieces
-from sharding.pipeline.shared_grads import Leaves, embedding_grads
+from sharding.pipeline.reduction import reduce_sums
+from sharding.pipeline.shared_grads import Leaves, embedding_grads, embeddings
 from sharding.pipeline.stage_fns import StageFns
 from sharding.scope import excluding
 from sharding.shard_map import varying_over
@@ -171,12 +172,19 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   slot = {k: jnp.asarray(np.maximum(np.cumsum(l) - 1, 0)) for k, l in live.items()}
   live_shapes = {k: jax.tree.map(lambda w, n=int(live[k].sum()): jax.ShapeDtypeStruct(
       (n, *w.shape[1:]), w.dtype), v) for k, v in local.items()}
+  # Position 0's inputs: every microbatch's embedding, looked up once before the ticks. Position
+  # 0's backward of microbatch m overwrites m's with its input gradient (`embedded`, from which
+  # the table's gradient is taken after the ticks), unless a weight pass reads the input after.
+  looked_up = vary(embeddings(fns.first, shared, data))  # [M, ...]
+  weight_pass = sched.BACKWARD_WEIGHT in set(schedule.op.flat) | set(
+      () if paired is None else schedule.paired[..., 0].flat)
+  embedded_inputs = looked_up if weight_pass else None
   carry = dict(inputs=buffer, grads=buffer, layer_acc=summed(live_shapes, layer_max),
                shared_acc=summed(shared, shared_max),
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
                    lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)),
-               embedded=vary(jnp.zeros((schedule.microbatches, *act.shape), act.dtype)))
+               embedded=zeros(looked_up) if weight_pass else looked_up)
 
   def full(stats):  # a piece's stats among all of them (zeros for the others'), varying
     return {k: z + stats[k] if k in stats else z for k, z in zeros(stats_shape).items()}
@@ -214,7 +222,10 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       if len(patterns) == 1:
         return fn(patterns[0])
       return jax.lax.switch(pattern, [lambda r=r: fn(r) for r in patterns])
-    x, g = carry["inputs"][c, slot], carry["grads"][c, slot]
+    firsts = carry["embedded"] if embedded_inputs is None else embedded_inputs
+    # The input: the embedding at position 0, else the received activation.
+    x = jnp.where(position == 0, firsts[m], carry["inputs"][c, slot])
+    g = carry["grads"][c, slot]
     nothing = vary(jnp.zeros(act.shape, act.dtype))
     no_loss = vary(jnp.zeros((), jnp.float32))
     none_stats, no_rows = zeros(stats_shape), zeros(row_shape)
@@ -222,9 +233,6 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     no_shared = None if fns.last is None else zeros(last_reads.take(shared))
     # where = 0 middle, 1 first, 2 last position of the whole pipeline
     where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
-
-    def stage_input():  # the embedding at position 0, else the received activation
-      return jax.lax.cond(where == 1, lambda: fns.first(shared, mb), lambda: x)
 
     def stage(s, p, x, rows):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
       y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
@@ -236,12 +244,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       embedding's output gradient: `run` keeps it, and the table's gradient is taken once after
       the ticks (a table-sized gradient per tick was added to its float32 sum at every tick,
       in lock step: 2.4 of the 70B TP4 PP8 VP5 program's 45.9 ms a tick)."""
-      x_in = stage_input()
 
       def middle():
         def one(rows):
           (_, loss), pullback, (stats, row_stats) = jax.vjp(
-              lambda p, x: stage(shared, p, x, rows), chunk, x_in, has_aux=True)
+              lambda p, x: stage(shared, p, x, rows), chunk, x, has_aux=True)
           d_chunk, dx = pullback((g, jnp.ones_like(loss)))
           return d_chunk, no_shared, dx, no_loss + loss, full(stats), varying(row_stats)
         return by_rows(one)
@@ -254,7 +261,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
         (_, loss), pullback, (stats, row_stats) = jax.vjp(
             lambda w, p, x: through_last(last_reads.put(shared, w), p, x),
-            last_reads.take(shared), chunk, x_in, has_aux=True)
+            last_reads.take(shared), chunk, x, has_aux=True)
         d_shared, d_chunk, dx = pullback((g, jnp.ones_like(loss)))
         return d_chunk, d_shared, dx, no_loss + loss, full(stats), varying(row_stats)
 
@@ -275,8 +282,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return no_part, nothing
 
     def forward():  # at the last position its output goes to the head, not to a stage
-      x_in = stage_input()
-      return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x_in, mb, rows,
+      return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
                                                      chunk_quantized)[0])
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
@@ -290,7 +296,14 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                 sched.BACKWARD_WEIGHT: lambda: backward(wrt_x=False, count_loss=False)}
     # Only the operations this schedule uses are compiled (a backward holds a vjp; two with MTP).
     branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
-    part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
+    if ops == [sched.IDLE, sched.BACKWARD]:  # paired_1f1b's backward slot: no conditional
+      # Run on idle ticks too, masked: a switch's branch materializes its results, so each tick
+      # wrote the chunk's weight gradients, concatenated the unrolled rows', and copied them,
+      # before adding them to the sums (the 405B TP8 PP8 CP2 VP8 program: 1.8 s a step).
+      on = op == sched.BACKWARD
+      part, message = jax.tree.map(lambda a: jnp.where(on, a, 0), backward())
+    else:
+      part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
     if {sched.BACKWARD, sched.BACKWARD_INPUT} & set(ops):  # position 0's input gradient: kept
       keep = (position == 0) & ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT))
       kept = carry["embedded"]
@@ -364,30 +377,20 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
     carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
                             start + jnp.arange(length))
-  shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], carry["shared_acc"],
-                               add_shared)
+  kept = jnp.any(positions[:, me] == 0) | weight_pass  # else `embedded` kept the embeddings
+  shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], kept,
+                               carry["shared_acc"], add_shared)
   # The one reduction of the step: over the replicas (layers; their rows stay on their stage),
   # over stages and replicas (the rest).
-  def reduce(tree, axes, by_max=None, owns=None):
-    by_max = by_max or jax.tree.map(lambda _: False, tree)
-    owns = owns or jax.tree.map(lambda _: frozenset(), tree)
-
-    def one(m, a, mine):  # in float32 at least: XLA:CPU aborts on a bf16 psum in a shard_map
-      # that leaves some mesh axes automatic (its all-reduce promotion meets a constraint)
-      over = tuple(x for x in axes if x not in mine)
-      if not over:
-        return a
-      wide = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-      return (jax.lax.pmax(wide, over) if m else jax.lax.psum(wide, over)).astype(a.dtype)
-    return jax.tree.map(one, by_max, tree, owns)
   rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
   as_params = lambda tree, like: jax.tree.map(lambda a, p: a.astype(p.dtype), tree, like)
-  layer_sums = reduce(carry["layer_acc"], replica_axes, layer_max, layer_own)
+  layer_sums = reduce_sums(carry["layer_acc"], replica_axes, layer_max, layer_own)
   layer_sums = {k: jax.tree.map(  # the dead chunks' zeros back in place
       lambda a, w, i=np.flatnonzero(live[k]): a if len(i) == virtual else
       jnp.zeros(w.shape, a.dtype).at[i].set(a), acc, local[k])
       for k, acc in layer_sums.items()}
   return (rows_of(as_params(layer_sums, local)),
-          as_params(reduce(shared_acc, manual, shared_max, shared_own), shared),
-          reduce(carry["loss"], manual),
-          reduce(carry["stats"], manual), rows_of(reduce(carry["row_acc"], replica_axes)))
+          as_params(reduce_sums(shared_acc, manual, shared_max, shared_own), shared),
+          reduce_sums(carry["loss"], manual),
+          reduce_sums(carry["stats"], manual),
+          rows_of(reduce_sums(carry["row_acc"], replica_axes)))
