@@ -278,9 +278,11 @@ def test_fp8_under_a_pipeline_trains_like_one_device():
 
 
 def fsdp8_collectives(tmp_path, fp8: Fp8Config, microbatches: int = 1, width: int = 256) -> dict:
-  """{(kind, dtype, shape of the first array): wire bytes per step} of the all-gathers and
-  reduce-scatters in the deviceless fsdp=8 H100 program of a 2-layer bf16 model `width` wide
-  (MLP 2x and 8 heads of 32, or from 1024 wide MLP 4x and 16 heads of 64)."""
+  """{(kind, dtype, shape): wire bytes per step} of each array the all-gathers and
+  reduce-scatters move in the deviceless fsdp=8 H100 program of a 2-layer bf16 model `width`
+  wide (MLP 2x and 8 heads of 32, or from 1024 wide MLP 4x and 16 heads of 64). A combined
+  collective's bytes are split over its arrays by size: XLA's combiner packs some weights'
+  gathers behind another array (the bf16 program's MLP weights behind the embedding table's)."""
   cfg = llama.debug()
   heads, head_dim, mlp = (8, 32, 2 * width) if width < 1024 else (16, 64, 4 * width)
   cfg.model = dataclasses.replace(cfg.model, num_layers=2, dtype="bfloat16",
@@ -291,10 +293,17 @@ def fsdp8_collectives(tmp_path, fp8: Fp8Config, microbatches: int = 1, width: in
   cfg.batch_size, cfg.seq_len = 8 * microbatches, 64
   path = tmp_path / f"{fp8.enabled}-{fp8.recipe}-{microbatches}-{width}.hlo"
   compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), str(path))
+  text = path.read_text()
+  instrs = {(comp, i.name): i for comp, body in hlo.computations(text).items() for i in body}
   out = collections.Counter()
-  for c in hlo.collectives(path.read_text()):
+  for c in hlo.collectives(text):
     if c.kind in ("all-gather", "reduce-scatter"):
-      out[(c.kind, c.dtype, c.shape)] += c.total_wire_bytes
+      ins = instrs[(c.computation, c.name)]
+      arrays = hlo.arrays(ins.type)  # an async start's: (operands, results), as many of each
+      arrays = arrays[len(arrays) // 2:] if ins.op.endswith("-start") else arrays
+      for dtype, shape in arrays:
+        share = hlo.bytes_of([(dtype, shape)]) / hlo.bytes_of(arrays)
+        out[(c.kind, dtype, shape)] += c.total_wire_bytes * share
   return out
 
 
@@ -303,10 +312,13 @@ def fsdp8_collectives(tmp_path, fp8: Fp8Config, microbatches: int = 1, width: in
 def test_fsdp_moves_the_projection_weights_in_fp8(tmp_path, microbatches, width):
   """fsdp=8 on 8 H100s: each weight is quantized once per step where its shard lives
   (models/fp8/weights.py) and gathered as e4m3, at most half the bytes the bf16 program gathers
-  for the same projection weights (measured, tensorwise: 0.375x with one microbatch, where XLA
-  gathers a layer's fp8 weights once for forward and backward, 0.46x with two at 1024 wide;
-  delayed 0.25x and 0.34x). The weight gradients leave the fp8 GEMMs in bf16 and are
-  reduce-scattered in bf16: the same bytes as the bf16 step, no float32 collective."""
+  for the same projection weights (measured when this test was written, tensorwise: 0.375x with
+  one microbatch, where XLA gathered a layer's fp8 weights once for forward and backward, 0.46x
+  with two at 1024 wide; delayed 0.25x and 0.34x). Measured on 2026-11-29, with a combined
+  collective's bytes split over its arrays: tensorwise 0.5x with one microbatch (within
+  the bound with two), delayed 0.5x in both cases, the fp8 weights gathered as often as the
+  bf16 ones, so the delayed bound fails: a regression, not yet traced. The weight gradients leave the fp8 GEMMs in bf16 and are reduce-scattered in
+  bf16: the same bytes as the bf16 step, no float32 collective."""
   heads, head_dim, mlp = (8, 32, 2 * width) if width < 1024 else (16, 64, 4 * width)
   # The projection weights' shapes, in any layout XLA gathers them in (dims sorted).
   projections = {(width, mlp), tuple(sorted((width, heads, head_dim)))}
