@@ -317,8 +317,9 @@ def test_fsdp_moves_the_projection_weights_in_fp8(tmp_path, microbatches, width)
   with two at 1024 wide; delayed 0.25x and 0.34x). Measured on 2026-11-29, with a combined
   collective's bytes split over its arrays: tensorwise 0.5x with one microbatch (within
   the bound with two), delayed 0.5x in both cases, the fp8 weights gathered as often as the
-  bf16 ones, so the delayed bound fails: a regression, not yet traced. The weight gradients leave the fp8 GEMMs in bf16 and are reduce-scattered in
-  bf16: the same bytes as the bf16 step, no float32 collective."""
+  bf16 ones, so the delayed bound fails: a regression, not yet traced. The weight gradients
+  leave the fp8 GEMMs in bf16 and are reduce-scattered in bf16: the same bytes as the bf16
+  step, no float32 collective."""
   heads, head_dim, mlp = (8, 32, 2 * width) if width < 1024 else (16, 64, 4 * width)
   # The projection weights' shapes, in any layout XLA gathers them in (dims sorted).
   projections = {(width, mlp), tuple(sorted((width, heads, head_dim)))}

@@ -227,8 +227,9 @@ def test_bf16_parameters_sum_their_gradients_in_grad_accum_dtype():
 def test_a_stage_of_few_layers_runs_them_unrolled():
   """pipeline=2 x data=4: with 2 layers a stage, the stage runs them unrolled, so the compiled
   program's only loops are the embedding's lookup over the microbatches and the schedule's
-  ticks (two scans: the warm-up's, which runs no backward, and the rest; scanned layers stacked every layer's residuals for the backward and
-  sliced each layer's weights at each tick); with 8 layers a stage they stay scanned."""
+  ticks (two scans: the warm-up's, which runs no backward, and the rest; scanned layers
+  stacked every layer's residuals for the backward and sliced each layer's weights at each
+  tick); with 8 layers a stage they stay scanned."""
   loops = {}
   for layers in (4, 16):
     cfg = harness.config(MeshConfig(data=4, pipeline=2), microbatches=8, model=MODELS[layers])

@@ -231,8 +231,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     none_stats, no_rows = zeros(stats_shape), zeros(row_shape)
     # Only the multi-token prediction after the last position adds to the shared gradients here.
     no_shared = None if fns.last is None else zeros(last_reads.take(shared))
-    # where = 0 middle, 1 first, 2 last position of the whole pipeline
-    where = jnp.where(position == 0, 1, jnp.where(position == last_position, 2, 0))
+    at_last = position == last_position  # of the whole pipeline
 
     def stage(s, p, x, rows):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
       y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
@@ -266,7 +265,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         return d_chunk, d_shared, dx, no_loss + loss, full(stats), varying(row_stats)
 
       d_chunk, d_shared, dx, loss, stats, row_stats = (
-          middle() if fns.last is None else jax.lax.cond(where == 2, last, middle))
+          middle() if fns.last is None else jax.lax.cond(at_last, last, middle))
       if not wrt_params:
         d_chunk, d_shared = zeros(chunk), no_shared
       if not wrt_x:
@@ -294,15 +293,14 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: backward,
                 sched.BACKWARD_INPUT: lambda: backward(wrt_params=False),
                 sched.BACKWARD_WEIGHT: lambda: backward(wrt_x=False, count_loss=False)}
-    # Only the operations this schedule uses are compiled (a backward holds a vjp; two with MTP).
-    branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
     if ops == [sched.IDLE, sched.BACKWARD]:  # paired_1f1b's backward slot: no conditional
       # Run on idle ticks too, masked: a switch's branch materializes its results, so each tick
       # wrote the chunk's weight gradients, concatenated the unrolled rows', and copied them,
       # before adding them to the sums (the 405B TP8 PP8 CP2 VP8 program: 1.8 s a step).
       on = op == sched.BACKWARD
       part, message = jax.tree.map(lambda a: jnp.where(on, a, 0), backward())
-    else:
+    else:  # only the operations this schedule uses are compiled (a backward holds a vjp)
+      branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
       part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
     if {sched.BACKWARD, sched.BACKWARD_INPUT} & set(ops):  # position 0's input gradient: kept
       keep = (position == 0) & ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT))
