@@ -16,7 +16,8 @@ from tests.test_parallel import assert_same_training
 from trainer.loop import remat_note
 from trainer.trainer import Trainer
 
-MODELS = {layers: dataclasses.replace(harness.MODEL, num_layers=layers) for layers in (4, 8, 16)}
+MODELS = {layers: dataclasses.replace(harness.MODEL, num_layers=layers)
+          for layers in (4, 8, 12, 16)}
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +46,15 @@ FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind not in schedules.V
     case(4, "1f1b"), case(8, "1f1b", layers=8),
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
     case(4, "interleaved_1f1b", {"data": 2}, layers=8),
-    case(4, "paired_1f1b", {"data": 2}, layers=8, virtual=2),
     case(4, "zbv", {"data": 2}, layers=8),
     case(4, "dualpipev", {"data": 2}, layers=8),
 ]
 SLOW = [case(p, kind, layers={4: 8, 8: 16}[p])
         for p in (4, 8) for kind in schedules.SCHEDULES if (p, kind) != (4, "1f1b")
         and (p, kind) not in ((8, "1f1b"), (4, "zbv"), (4, "dualpipev"))
-        and (p, kind) != (8, "dualpipev")] + [case(2, "zbv"), case(2, "dualpipev")]
+        and (p, kind) != (8, "dualpipev")] + [case(2, "zbv"), case(2, "dualpipev")] + [
+    # Its sibling in the default suite: 3 virtual stages, 16 microbatches (the head's loops).
+    case(4, "paired_1f1b", {"data": 2}, layers=8, virtual=2)]
 
 
 def check(stages, schedule, virtual, mesh, layers, references):
@@ -91,6 +93,14 @@ def test_context_parallelism_inside_the_stages_equals_one_device(mesh, impl, ref
   assert_same_training(result, references(4))
 
 
+def tick_loops(table) -> list[tuple[int, int, int]]:
+  """(repeats, ticks, flags: 1 a backward, 2 the head) of each loop the executor runs the
+  ticks of `table` in (a loop of `repeats` iterations around it where repeats > 1)."""
+  return [(repeats, length, f)
+          for _, repeats, block in schedules.tick_segments(schedules.loop_flags(table))
+          for _, length, f in block]
+
+
 def compiled(schedule, microbatches=32, batch=128, seq=16):
   cfg = harness.config(MeshConfig(data=2, pipeline=4, pipeline_schedule=schedule),
                        microbatches=microbatches, model=MODELS[4])
@@ -103,13 +113,13 @@ def compiled(schedule, microbatches=32, batch=128, seq=16):
 def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says():
   """4 stages, 32 microbatches. Each stage keeps a slot per in-flight microbatch for its inputs
   and one for the gradients it receives: AFAB 32 slots, 1F1B 4, the tick loop's [1, slots, ...]
-  buffers. The compiled temporaries differ by at least (32 - 4) x 2 activations, and by at most
-  twice that (XLA's CPU buffer assignment holds up to 4 values of each program's buffer shape;
-  measured 58 activations, 56 before the executor's branches stopped returning the
-  accumulators); every tick both rings (forward activations, backward gradients) move one
-  activation: exactly 2 x ticks x activation bytes. The head's pieces move apart: a quarter of
-  an activation from the last stage to each other stage and back, 6 permutes charged a tick
-  (they run in the ticks of the last stage's forwards), in each of the scans the ticks run as."""
+  buffers, both carried by every loop over the ticks. The compiled temporaries differ by more
+  than (32 - 4) activations and by at most (32 - 4) x 4 (measured 41.7: AFAB's backward loop
+  holds no head, whose write into the gradient buffer had it copied, 58 before); every tick both
+  rings (forward activations, backward gradients) move one activation: exactly 2 x ticks x
+  activation bytes. The head's pieces move apart: a quarter of an activation from the last
+  stage to each other stage and back, 6 permutes charged a tick (they run in the ticks of the
+  last stage's forwards), in each loop over ticks that hold the head."""
   activation = (128 // 32 // 2) * 16 * MODELS[4].embed_dim * 4  # microbatch rows per data shard
   programs = {kind: compiled(kind) for kind in ("afab", "1f1b")}
   temp = {k: p.memory_analysis().temp_size_in_bytes for k, p in programs.items()}
@@ -117,17 +127,21 @@ def test_one_f_one_b_keeps_fewer_activations_and_transfers_what_the_table_says()
   assert (slots["afab"], slots["1f1b"]) == (32, 4)
   for kind, count in slots.items():
     assert f"f32[1,{count},{128 // 32 // 2},16,{MODELS[4].embed_dim}]" in programs[kind].as_text()
-  assert (32 - 4) * 2 * activation <= temp["afab"] - temp["1f1b"] <= (32 - 4) * 4 * activation
-  assert temp["1f1b"] < 0.8 * temp["afab"], temp
+  assert (32 - 4) * activation < temp["afab"] - temp["1f1b"] <= (32 - 4) * 4 * activation
+  assert temp["1f1b"] < 0.85 * temp["afab"], temp
   for kind, program in programs.items():
-    permutes = [c for c in hlo.collectives(program.as_text()) if c.kind == "collective-permute"]
+    text = program.as_text()
+    buffer = f"f32[1,{slots[kind]},{128 // 32 // 2},16,{MODELS[4].embed_dim}]"
+    assert [line.count(buffer) for line in text.splitlines() if " while(" in line
+            and buffer in line] == [2] * len(tick_loops(schedules.make(kind, 4, 32)))
+    permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
     ticks = schedules.make(kind, 4, 32).ticks
     ring = [c for c in permutes if c.bytes == activation]
     assert sum(c.bytes * c.count for c in ring) == 2 * ticks * activation
-    pieces = [c for c in permutes if c not in ring]  # in each scan of ticks (tick_runs)
-    scans = len(schedules.tick_runs(schedules.make(kind, 4, 32).backward_ticks()))
-    assert len(pieces) == 6 * scans and {c.bytes for c in pieces} == {activation // 4}
-    assert sum(c.count for c in pieces) == 6 * ticks
+    pieces = [c for c in permutes if c not in ring]
+    with_head = [(r, n) for r, n, flags in tick_loops(schedules.make(kind, 4, 32)) if flags & 2]
+    assert len(pieces) == 6 * len(with_head) and {c.bytes for c in pieces} == {activation // 4}
+    assert sum(c.count for c in pieces) == 6 * sum(r * n for r, n in with_head)
 
 
 def test_data_parallel_replicas_reduce_their_gradients_once_per_step():
@@ -238,7 +252,7 @@ def test_a_stage_of_few_layers_runs_them_unrolled():
       text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile(
           ).as_text()
     loops[layers] = sum(" while(" in line for line in text.splitlines())
-  scans = len(schedules.tick_runs(schedules.make("1f1b", 2, 8).backward_ticks()))
+  scans = len(tick_loops(schedules.make("1f1b", 2, 8)))
   lookups = 1  # position 0's inputs: the embedding of each microbatch, before the ticks
   assert scans == 2 and loops[4] == scans + lookups and loops[16] > scans + lookups, loops
 
@@ -250,6 +264,16 @@ def test_tick_runs_cut_the_ticks_where_backwards_start():
   table = schedules.make("1f1b", 4, 8)  # the last stage's first backward is its 4th tick's
   assert table.backward_ticks()[:5].tolist() == [False] * 4 + [True]
   assert schedules.tick_runs(table.backward_ticks()) == [(0, 4), (4, 18)]
+
+
+def test_ticks_without_the_head_loop_apart_and_train_like_one_device(references):
+  """paired_1f1b, 4 stages x 3 virtual, 16 microbatches: the steady state alternates 8 ticks
+  without the head and 4 with it, 3 times, which the executor runs as a loop of 3 around a loop
+  of each (before, one loop priced the head's conditional at every tick)."""
+  assert tick_loops(schedules.make("paired_1f1b", 4, 16, 3)) == [
+      (1, 11, 0), (1, 1, 2), (1, 3, 3), (3, 8, 1), (3, 4, 3), (1, 12, 1)]
+  cfg = MeshConfig(data=2, pipeline=4, pipeline_schedule="paired_1f1b", virtual_stages=3)
+  assert_same_training(harness.run(cfg, microbatches=16, model=MODELS[12]), references(12))
 
 
 def loop_counts(text: str, matches) -> list[tuple[int, int]]:
@@ -329,10 +353,10 @@ def test_the_paired_backward_slot_runs_outside_a_conditional():
   loops = [(hlo.trip_count(i, comps, c), dots_outside_conditionals(
       comps, re.search(r"\bbody=%?([\w.\-]+)", i.attrs).group(1)))
       for c, instrs in comps.items() for i in instrs if i.op == "while"]
-  table = schedules.make("paired_1f1b", 4, 8, 2)
-  (_, warm_up), (_, steady) = schedules.tick_runs(table.backward_ticks())
-  assert [n for trips, n in loops if trips == warm_up] == [0, 0], loops  # and the lookups' map
-  assert [n > 0 for trips, n in loops if trips == steady] == [True], loops
+  runs = tick_loops(schedules.make("paired_1f1b", 4, 8, 2))
+  assert runs == [(1, 8, 2), (1, 11, 3), (1, 8, 1)]  # warm-up (with the head), steady, cool-down
+  ticks = [(trips, n > 0) for trips, n in loops if trips in (8, 11)]  # and the lookups' map
+  assert sorted(ticks) == [(8, False), (8, False), (8, True), (11, True)], loops
 
 
 def test_an_unrolled_chunk_runs_its_forward_once_in_the_backward_whatever_remat():

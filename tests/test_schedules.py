@@ -196,3 +196,17 @@ def test_paired_1f1b_runs_a_forward_and_a_backward_each_steady_tick(stages, micr
   assert list(paired.in_flight()) == want
   if v > 1:
     assert (paired.in_flight() <= unpaired.in_flight() + 1).all()
+
+
+def test_tick_segments_fold_a_recurring_block_of_runs():
+  flags = np.array([0, 0, 2, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1])
+  assert S.tick_segments(flags) == [
+      (0, 1, [(0, 2, 0)]), (2, 1, [(0, 1, 2)]), (3, 3, [(0, 1, 3), (1, 2, 1)]),
+      (12, 1, [(0, 1, 3)]), (13, 1, [(0, 1, 1)])]
+  # The 70B TP4 PP8 VP5 recipe's 687 ticks: 8 with the head in every 40 of the steady state.
+  table = S.make("paired_1f1b", 8, 128, 5)
+  heads = S.head_ticks(table)
+  assert heads.sum() == 128 and not heads[:39].any()
+  assert S.tick_segments(S.loop_flags(table)) == [
+      (0, 1, [(0, 39, 0)]), (39, 1, [(0, 1, 2)]), (40, 1, [(0, 7, 3)]),
+      (47, 15, [(0, 32, 1), (32, 8, 3)]), (647, 1, [(0, 40, 1)])]

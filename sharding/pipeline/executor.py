@@ -11,6 +11,7 @@ from sharding.pipeline.head_pieces import HeadPieces
 from sharding.pipeline.reduction import reduce_sums
 from sharding.pipeline.shared_grads import Leaves, embedding_grads, embeddings
 from sharding.pipeline.stage_fns import StageFns
+from sharding.pipeline.tick_loops import scan_ticks
 from sharding.scope import excluding
 from sharding.shard_map import varying_over
 
@@ -310,10 +311,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return carry, message  # adding its zeros took a pass over the chunk's sums every tick
     return accumulate(carry, c, *part), message
 
-  def head(carry, t, y):
+  def head(carry, t, y, every):
     """The head over this tick's last-position output y: each stage takes its piece of the
     tokens from the holder, differentiates the head on it, and the pieces' input gradients
-    gather back into the holder's gradient buffer, which its backward reads."""
+    gather back into the holder's gradient buffer, which its backward reads. Under a
+    conditional unless `every` tick of the loop runs it."""
     m, c = heads[t, 0], heads[t, 2]
     runs, no_loss = m >= 0, vary(jnp.zeros((), jnp.float32))
     m, c = jnp.maximum(m, 0), jnp.maximum(c, 0)
@@ -330,7 +332,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     def none():
       return zeros(head_reads.take(shared)), no_loss, zeros(stats_shape), zeros(act)
 
-    d_shared, loss, stats, dy = jax.lax.cond(runs, on_piece, none)
+    d_shared, loss, stats, dy = on_piece() if every else jax.lax.cond(runs, on_piece, none)
     carry = dict(carry, loss=carry["loss"] + loss,
                  stats=jax.tree.map(jnp.add, carry["stats"], stats),
                  shared_acc=add_shared(carry["shared_acc"], head_reads, d_shared))
@@ -339,9 +341,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                                                       buffer[c, slot]))
     return carry
 
-  def tick(carry, t, ops):
+  def tick(carry, t, ticks, flags):
+    ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
     carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], ops[0])
-    carry = head(carry, t, message)
+    if flags & 2:  # the head, in loops over ticks that run it (sharding.pipeline.schedules)
+      carry = head(carry, t, message, every=bool(np.all(head_ops[ticks, 0] >= 0)))
     messages = [message]
     if paired is not None:  # the backward overlapped with this tick's forward
       carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],
@@ -367,14 +371,11 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
           jnp.where(sent, got[src], buffer[chunk_to, slot_to]))
     return carry
 
-  # A scan per run of ticks that do or do not run a backward: the warm-up's ticks, in which no
-  # stage runs one, compile none (the step-time model prices a conditional by its costliest
-  # branch, as a lock-step tick waits for its slowest stage).
-  for start, length in sched.tick_runs(schedule.backward_ticks()):
-    ticks = np.arange(start, start + length)
-    ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
-    carry, _ = jax.lax.scan(lambda carry, t, ops=ops: (tick(carry, t, ops), None), carry,
-                            start + jnp.arange(length))
+  # A loop per run of ticks that do or do not run a backward (the warm-up's, in which no stage
+  # runs one, compile none), and the head (most ticks of an interleaved schedule run none): the
+  # step-time model prices a conditional by its costliest branch, as a lock-step tick waits
+  # for its slowest stage, and a conditional's predicate reaches the GPU's host every tick.
+  carry = scan_ticks(carry, sched.tick_segments(sched.loop_flags(schedule)), tick)
   kept = jnp.any(positions[:, me] == 0) | weight_pass  # else `embedded` kept the embeddings
   shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], kept,
                                carry["shared_acc"], add_shared)
