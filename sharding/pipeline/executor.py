@@ -374,7 +374,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # A loop per run of ticks that do or do not run a backward (the warm-up's, in which no stage
   # runs one, compile none), and the head (most ticks of an interleaved schedule run none): the
   # step-time model prices a conditional by its costliest branch, as a lock-step tick waits
-  # for its slowest stage, and a conditional's predicate reaches the GPU's host every tick.
+  # for its slowest stage (here every stage takes the same branch).
   carry = scan_ticks(carry, sched.tick_segments(sched.loop_flags(schedule)), tick)
   kept = jnp.any(positions[:, me] == 0) | weight_pass  # else `embedded` kept the embeddings
   shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], kept,
