@@ -302,8 +302,11 @@ class Transformer(nnx.Module):
     # checkpoint only ran each layer's forward a third time (the DeepSeek-V3 recipe's MoE
     # exchanges too), and jax.checkpoint saves no residual of a custom_vjp (the flash kernel's,
     # a region nested in the stage: sharding.shard_map.stage_shard_map).
-    if not unrolled_chunk and (scanned or self.compute.remat != "none"
-                               or not self.layout.in_pipeline_stage):
+    # Unless the stages keep their residuals (pipeline_recompute off): then the policy decides
+    # what they keep, as without stages.
+    recomputed = unrolled_chunk and self.layout.pipeline_recompute
+    if not recomputed and (scanned or self.compute.remat != "none"
+                           or not self.layout.stages_recompute()):
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
                             prevent_cse=not scanned)
     if accumulating:

@@ -36,7 +36,7 @@ ALIASES = {"dp": "data", "pp": "pipeline", "ep": "expert", "cp": "context", "tp"
            "cp_impl": "context_impl"}
 # The switches a MeshConfig and a Layout share (besides the six sizes).
 MESH_SWITCHES = ("zero_stage", "sequence_parallel", "pipeline_schedule", "virtual_stages",
-                 "stage_layers", "vocab_over_fsdp")
+                 "stage_layers", "pipeline_recompute", "vocab_over_fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Layout:
   pipeline_schedule: str = "1f1b"
   virtual_stages: int = 1
   stage_layers: str = ""  # layers per pipeline position, "7+8+...+7"; "" = automatic
+  pipeline_recompute: bool = True  # False: stages keep their forward's residuals (MeshConfig)
   micro_batch: int = 1
   microbatches: int = 1
   remat: str = "none"
@@ -111,8 +112,13 @@ class Layout:
     recomputes a chunk's forward in its backward tick and takes its pullback at once; a layer
     checkpoint there would run each forward a third time (models/transformer.py)."""
     chunk = self.layers_per_device(num_layers) / self.virtual_stages
-    unrolled = stages_recompute and self.pipeline > 1 and chunk <= UNROLLED_STAGE_GROUPS
+    unrolled = self.stages_recompute(stages_recompute) and chunk <= UNROLLED_STAGE_GROUPS
     return "none" if unrolled else self.remat
+
+  def stages_recompute(self, executor: bool = True) -> bool:
+    """Whether a backward tick runs its chunk's forward again: meshtron's executor (`executor`;
+    False for trainers whose stages store activations), unless pipeline_recompute is off."""
+    return executor and self.pipeline > 1 and self.pipeline_recompute
 
   @property
   def num_devices(self) -> int:
@@ -311,6 +317,8 @@ class Layout:
       switches.append(f"vpp={self.virtual_stages}")
     if self.stage_layers:
       switches.append(f"stage_layers={self.stage_layers}")
+    if not self.pipeline_recompute:
+      switches.append("pipeline_recompute=0")
     if self.context > 1 and self.context_impl != "ring":
       switches.append(f"cp_impl={self.context_impl}")
     return ",".join(axes + switches)
@@ -351,7 +359,7 @@ def parse(text: str) -> Layout:
       if not value.isdigit() or (int(value) < 1 and field != "zero_stage"):
         raise LayoutError(f"layout {key}={value!r} must be a positive integer")
       values[field] = int(value)
-    elif field == "sequence_parallel":
+    elif field in ("sequence_parallel", "pipeline_recompute"):
       if value.lower() not in ("0", "1", "true", "false"):
         raise LayoutError(f"layout {key}={value!r} must be 0 or 1")
       values[field] = value.lower() in ("1", "true")
@@ -367,7 +375,7 @@ def parse(text: str) -> Layout:
     else:
       raise LayoutError(f"unknown layout key {key!r}; keys: {', '.join(_INTS)}, remat,"
                         " sequence_parallel (sp), pipeline_schedule (schedule), vocab_over_fsdp,"
-                        " stage_layers, context_impl (cp_impl);"
+                        " stage_layers, pipeline_recompute, context_impl (cp_impl);"
                         f" aliases {', '.join(ALIASES)}")
   layout = Layout(**values)
   check_switches(layout)

@@ -51,6 +51,10 @@ class MeshConfig:
   # "" = even, or when the positions do not divide the layers one fewer on the last and first
   # stages (sharding/pipeline/stage_split.py).
   stage_layers: str = ""
+  # With pipeline > 1: a backward tick runs its chunk's forward again from the chunk's input
+  # (True), or the forward tick keeps what compute.remat's policy keeps of it for the backward,
+  # as Megatron's stages do: faster, more memory (sharding/pipeline/kept_residuals.py).
+  pipeline_recompute: bool = True
   # Multi-host: the across-hosts factor of each axis, e.g. "data=4,pipeline=2"; the rest of each
   # axis stays within a host. "" = outer axes span hosts first (data, then pipeline, ...).
   dcn: str = ""

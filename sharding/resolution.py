@@ -64,7 +64,12 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
       raise LayoutError("model.moe.dispatch=dropping does not run with pipeline x context yet"
                         " (its program aborts natively on CPU); use dispatch=dropless, or"
                         " pipeline=1 or context=1")
-    layout.stage_split(model.num_layers)  # every position gets a layer; a given split adds up
+    split = layout.stage_split(model.num_layers)  # every position gets a layer; a split adds up
+    if not layout.pipeline_recompute and (stage_split.stack_split(split, model.dense_layers())
+                                          or getattr(model, "mtp_depth", 0)):
+      raise LayoutError("mesh.pipeline_recompute=false keeps one program's residuals per chunk:"
+                        " it needs stages that divide the layers evenly (and, MoE, the dense"
+                        " layers) and no multi-token prediction; set pipeline_recompute=true")
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
   if compute.collective_matmul and layout.tensor > 1 and not layout.sequence_parallel:

@@ -210,3 +210,34 @@ def test_tick_segments_fold_a_recurring_block_of_runs():
   assert S.tick_segments(S.loop_flags(table)) == [
       (0, 1, [(0, 39, 0)]), (39, 1, [(0, 1, 2)]), (40, 1, [(0, 7, 3)]),
       (47, 15, [(0, 32, 1), (32, 8, 3)]), (647, 1, [(0, 40, 1)])]
+
+
+@pytest.mark.parametrize("args", [("1f1b", 4, 8, 1), ("afab", 4, 8, 1), ("zero_bubble", 4, 8, 1),
+                                  ("interleaved_1f1b", 4, 16, 2), ("zbv", 4, 8, 2),
+                                  ("dualpipev", 4, 8, 2), ("paired_1f1b", 8, 128, 5)])
+def test_kept_slots_hold_each_chunk_from_its_forward_to_its_last_use(args):
+  """Schedule.kept_slots (the executor's kept residuals): a forward's slot is free (never held by
+  another microbatch chunk, nor released in the same tick: the tick's forward runs before its
+  backward), its backward and weight pass read that slot, and a stage needs as many as it holds
+  at once: the 70B recipe's 8 stages x 5 virtual x 128 microbatches 48 (its in-flight chunks),
+  not 80 (a slot per chunk and buffer slot)."""
+  table = S.make(*args)
+  count, slot_of = table.kept_slots()
+  for s in range(table.stages):
+    held = {}  # slot -> (m, c)
+    for t in range(table.ticks):
+      released = []
+      for k, (op, m, c) in enumerate(table.slots_at(t, s)):
+        if op == S.FORWARD:
+          assert slot_of[t, s, k] not in held and 0 <= slot_of[t, s, k] < count
+          held[int(slot_of[t, s, k])] = (m, c)
+        elif op != S.IDLE:
+          assert held[int(slot_of[t, s, k])] == (m, c)
+          if op in S.RELEASES:
+            released.append(int(slot_of[t, s, k]))
+      for slot in released:
+        del held[slot]
+  if args[0] != "dualpipev":  # its pairs release and take a slot in one tick
+    assert count == round(S.in_flight_microbatches(*args) * args[3])
+  if args == ("paired_1f1b", 8, 128, 5):
+    assert (count, table.buffer_slots() * 5) == (48, 80)

@@ -91,7 +91,8 @@ def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
       split = specs_over({k: names[k] for k in params}, params, layout.stage_expert_axes)
       split = ({k: split[k] for k in stacks}, {k: split[k] for k in shared})
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
-        layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split)
+        layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split,
+        layout.pipeline_recompute)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

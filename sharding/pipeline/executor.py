@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from sharding.pipeline import schedules as sched, stage_split
+from sharding.pipeline import kept_residuals, schedules as sched, stage_split, transfers
 from sharding.pipeline.head_pieces import HeadPieces
 from sharding.pipeline.reduction import reduce_sums
 from sharding.pipeline.shared_grads import Leaves, embedding_grads, embeddings
@@ -26,7 +26,7 @@ def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
 
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
                    present: dict | None = None, by_max=None, accum_dtype=None,
-                   expert_specs=None):
+                   expert_specs=None, recompute=True):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -48,6 +48,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
     expert_specs: under `layout.stage_expert_axes`, (tree like `layers`, tree like `shared`) of
       each weight's PartitionSpec over those axes only (the experts' weights: their experts
       dim; a stacked weight's first entry is ignored); None: none split over them.
+    recompute: a backward tick runs its chunk's forward again (storing only its input); False:
+      the forward tick keeps its residuals for it (sharding/pipeline/kept_residuals.py).
   Returns:
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
     storage order), summed over microbatches, in the parameters' dtypes.
@@ -83,7 +85,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   def per_device(layers, shared, data):
     with excluding((axis, *replica_axes)):
       return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max,
-                  accum_dtype)
+                  accum_dtype, recompute)
 
   mapped = jax.shard_map(
       per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
@@ -95,7 +97,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
           to_chunks(row_stats, inverse=True))
 
 
-def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max, accum_dtype):
+def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max, accum_dtype,
+         recompute):
   """One device's part: a scan over the ticks of the table."""
   manual = (axis, *replica_axes)
   stages, virtual = schedule.stages, schedule.virtual
@@ -106,14 +109,10 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
   def used(k, ticks):  # the operations slot k runs in `ticks`: only those are compiled
     ops = schedule.op if k == 0 else schedule.paired[..., 0]
-    return sorted({int(o) for o in np.unique(ops[ticks])} | {sched.IDLE})
+    return sorted({int(o) for o in np.unique(ops[ticks])})
   positions = jnp.asarray(schedule.positions())  # [virtual, stages]
-  send_table, receive_table = schedule.messages()
-  # (source, is_gradient) pairs that ever arrive: only those buffer writes are compiled.
-  arrivals = sorted({(src, int(g)) for src in range(receive_table.shape[2]) for g in (0, 1)
-                     if np.any((receive_table[..., src, 0] == 1)
-                               & (receive_table[..., src, 1] == g))})
-  send_table, receive_table = jnp.asarray(send_table), jnp.asarray(receive_table)
+  tables = schedule.messages()  # (send, receive)
+  arrivals, tables = transfers.arriving(tables[1]), tuple(map(jnp.asarray, tables))
   me = jax.lax.axis_index(axis)
   local = jax.tree.map(lambda w: w.reshape(virtual, w.shape[0] // virtual, *w.shape[1:]), layers)
   # The axes each weight is split over: its own values, its gradient not summed over them.
@@ -163,6 +162,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # The shared weights are replicated over stages; as varying values their gradients stay
   # per stage (no implicit psum inside a branch only one stage takes) and are summed at the end.
   shared = vary(shared)
+  keeping = None if recompute else kept_residuals.for_stage(  # one row pattern, no `last`
+      fns.stage, patterns[0], vary, local, quantized, shared, x, first_mb)
+  kept_count, kept_slot = schedule.kept_slots()  # each op's slot of its kept residuals
   layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
                                      jax.tree.map(lambda _: False, shared))
   # The sums over microbatches in accum_dtype (float32 by default, as the unpipelined step and
@@ -185,7 +187,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
                loss=vary(jnp.zeros((), jnp.float32)), stats=zeros(stats_shape),
                row_acc=zeros(jax.tree.map(
                    lambda s: jax.ShapeDtypeStruct((virtual, *s.shape), s.dtype), row_shape)),
-               embedded=zeros(looked_up) if weight_pass else looked_up)
+               embedded=zeros(looked_up) if weight_pass else looked_up,
+               kept=[] if keeping is None else [zeros(jax.ShapeDtypeStruct(
+                   (kept_count, *s.shape), s.dtype)) for s in keeping.stored])
 
   def full(stats):  # a piece's stats among all of them (zeros for the others'), varying
     return {k: z + stats[k] if k in stats else z for k, z in zeros(stats_shape).items()}
@@ -199,20 +203,23 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       return jnp.maximum(a, g) if by_max else a + g.astype(a.dtype)
     return reads.put(acc, list(zip(d, reads.take(shared_max))), add)
 
+  def count(carry, c, loss, stats, rows):  # the loss, stats and row stats of a chunk
+    return dict(carry, loss=carry["loss"] + loss,
+                stats=jax.tree.map(jnp.add, carry["stats"], stats),
+                row_acc=jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows))
+
   def accumulate(carry, c, d_layers, d_shared, loss, stats, rows):
-    carry = dict(carry)
-    carry["row_acc"] = jax.tree.map(lambda a, r: a.at[c].add(r), carry["row_acc"], rows)
+    carry = count(carry, c, loss, stats, rows)
     carry["layer_acc"] = {k: jax.tree.map(  # a dead chunk's zeros go to any slot
         lambda m, a, d, i=slot[k][c]: a.at[i].max(d) if m else a.at[i].add(d.astype(a.dtype)),
         layer_max[k], acc, d_layers[k]) for k, acc in carry["layer_acc"].items()}
     if d_shared is not None:
       carry["shared_acc"] = add_shared(carry["shared_acc"], last_reads, d_shared)
-    carry["loss"] = carry["loss"] + loss
-    carry["stats"] = jax.tree.map(jnp.add, carry["stats"], stats)
     return carry
 
-  def run(carry, op, m, c, ops):
-    """One operation (`op` of microbatch m, chunk c; one of `ops`): (carry, its message)."""
+  def run(carry, op, m, c, ops, kept_at):
+    """One operation (`op` of microbatch m, chunk c; one of `ops`; its kept residuals' slot
+    kept_at): (carry, its message)."""
     slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
@@ -233,6 +240,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     # Only the multi-token prediction after the last position adds to the shared gradients here.
     no_shared = None if fns.last is None else zeros(last_reads.take(shared))
     at_last = position == last_position  # of the whole pipeline
+    weights = (chunk, chunk_quantized, shared)  # what a kept pullback holds of the weights
 
     def stage(s, p, x, rows):  # ((x, the chunk's loss), (its stats, row stats)): for jax.vjp
       y, loss, stats, row_stats = fns.stage(s, p, x, mb, rows, chunk_quantized)
@@ -246,6 +254,10 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       in lock step: 2.4 of the 70B TP4 PP8 VP5 program's 45.9 ms a tick)."""
 
       def middle():
+        if keeping is not None:  # the loss was counted in the forward tick
+          stored = [b[kept_at] for b in carry["kept"]]
+          d_chunk, dx = keeping.pullback(weights, x, mb, stored)((g, no_loss + 1))
+          return d_chunk, no_shared, dx, no_loss, none_stats, no_rows
         def one(rows):
           (_, loss), pullback, (stats, row_stats) = jax.vjp(
               lambda p, x: stage(shared, p, x, rows), chunk, x, has_aux=True)
@@ -277,13 +289,17 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     # passed through a conditional is copied whole in every branch that does not update it
     # (the 70B TP4 PP8 VP5 program copied its stage's gradients 12 times a tick).
     no_part = (zeros(chunk), no_shared, no_loss, none_stats, no_rows)
+    no_stored = zeros(list(keeping.stored)) if keeping else []
 
     def idle():
-      return no_part, nothing
+      return no_part, nothing, no_stored
 
     def forward():  # at the last position its output goes to the head, not to a stage
-      return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
-                                                     chunk_quantized)[0])
+      if keeping is None:
+        return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
+                                                       chunk_quantized)[0]), no_stored
+      (y, loss), (stats, rows), stored = keeping.forward(weights, x, mb)
+      return (*no_part[:2], loss, full(stats), varying(rows)), y, stored
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
@@ -291,9 +307,10 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         loss, stats, row_stats = no_loss, none_stats, no_rows
       return (d_chunk, d_shared, loss, stats, row_stats), dx
 
-    branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: backward,
-                sched.BACKWARD_INPUT: lambda: backward(wrt_params=False),
-                sched.BACKWARD_WEIGHT: lambda: backward(wrt_x=False, count_loss=False)}
+    storing_none = lambda **how: lambda: (*backward(**how), no_stored)
+    branches = {sched.IDLE: idle, sched.FORWARD: forward, sched.BACKWARD: storing_none(),
+                sched.BACKWARD_INPUT: storing_none(wrt_params=False),
+                sched.BACKWARD_WEIGHT: storing_none(wrt_x=False, count_loss=False)}
     if ops == [sched.IDLE, sched.BACKWARD]:  # paired_1f1b's backward slot: no conditional
       # Run on idle ticks too, masked: a switch's branch materializes its results, so each tick
       # wrote the chunk's weight gradients, concatenated the unrolled rows', and copied them,
@@ -302,13 +319,18 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       part, message = jax.tree.map(lambda a: jnp.where(on, a, 0), backward())
     else:  # only the operations this schedule uses are compiled (a backward holds a vjp)
       branch_of = jnp.zeros(5, jnp.int32).at[jnp.asarray(ops)].set(jnp.arange(len(ops)))
-      part, message = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
+      part, message, stored = jax.lax.switch(branch_of[op], [branches[o] for o in ops])
+      if keeping is not None and sched.FORWARD in ops:  # one slot written in place
+        carry = dict(carry, kept=[b.at[kept_at].set(
+            s if ops == [sched.FORWARD] else jnp.where(op == sched.FORWARD, s, b[kept_at]))
+            for b, s in zip(carry["kept"], stored)])
     if {sched.BACKWARD, sched.BACKWARD_INPUT} & set(ops):  # position 0's input gradient: kept
       keep = (position == 0) & ((op == sched.BACKWARD) | (op == sched.BACKWARD_INPUT))
       kept = carry["embedded"]
       carry = dict(carry, embedded=kept.at[m].set(jnp.where(keep, message, kept[m])))
     if set(ops) <= {sched.IDLE, sched.FORWARD}:  # no gradients (paired_1f1b's forward slot):
-      return carry, message  # adding its zeros took a pass over the chunk's sums every tick
+      # adding its zeros took a pass over the chunk's sums every tick
+      return (carry if keeping is None else count(carry, c, *part[2:])), message
     return accumulate(carry, c, *part), message
 
   def head(carry, t, y, every):
@@ -343,38 +365,21 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
   def tick(carry, t, ticks, flags):
     ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
-    carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], ops[0])
+    carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], ops[0],
+                         jnp.asarray(kept_slot)[t, me, 0])
     if flags & 2:  # the head, in loops over ticks that run it (sharding.pipeline.schedules)
       carry = head(carry, t, message, every=bool(np.all(head_ops[ticks, 0] >= 0)))
     messages = [message]
     if paired is not None:  # the backward overlapped with this tick's forward
       carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],
-                           ops[1])
+                           ops[1], jnp.asarray(kept_slot)[t, me, 1])
       messages.append(message)
-    nothing = vary(jnp.zeros(act.shape, act.dtype))
-    ring = [(i, (i + 1) % stages) for i in range(stages)]
-    got = []
-    for k, message in enumerate(messages):
-      way = send_table[t, me, k]
-      got += [jax.lax.ppermute(jnp.where(way == sched.RIGHT, message, nothing), axis, ring),
-              jax.lax.ppermute(jnp.where(way == sched.LEFT, message, nothing), axis,
-                               [(j, i) for i, j in ring]),
-              message]  # the V's turn: to this stage's other chunk
-    carry = dict(carry)
-    for src, gradient in arrivals:
-      here, _, chunk_to, slot_to = (receive_table[t, me, src, k] for k in range(4))
-      key = "grads" if gradient else "inputs"
-      sent = (here == 1) & (receive_table[t, me, src, 1] == gradient)
-      # One slot written in place either way (a conditional write copied the whole buffer).
-      buffer = carry[key]
-      carry[key] = buffer.at[chunk_to, slot_to].set(
-          jnp.where(sent, got[src], buffer[chunk_to, slot_to]))
-    return carry
+    return transfers.send_and_receive(carry, messages, t, me, tables, arrivals, axis, stages,
+                                      vary(jnp.zeros(act.shape, act.dtype)))
 
-  # A loop per run of ticks that do or do not run a backward (the warm-up's, in which no stage
-  # runs one, compile none), and the head (most ticks of an interleaved schedule run none): the
-  # step-time model prices a conditional by its costliest branch, as a lock-step tick waits
-  # for its slowest stage (here every stage takes the same branch).
+  # A loop per run of ticks that do or do not run a backward (none in the warm-up's) and the
+  # head (most ticks of an interleaved schedule run none): a conditional is priced at its
+  # costliest branch, as a lock-step tick waits for its slowest stage (all take the same one).
   carry = scan_ticks(carry, sched.tick_segments(sched.loop_flags(schedule)), tick)
   kept = jnp.any(positions[:, me] == 0) | weight_pass  # else `embedded` kept the embeddings
   shared_acc = embedding_grads(fns.first, shared, data, carry["embedded"], kept,

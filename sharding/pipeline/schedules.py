@@ -129,6 +129,28 @@ class Schedule:
       most = max(most, int(np.cumsum(change).max()))
     return most
 
+  def kept_slots(self) -> tuple[int, np.ndarray]:
+    """(slots, [ticks, stages, k] slot of each op slot) for residuals a stage keeps from a
+    forward to its last use (the backward, or the weight pass): each forward takes the lowest
+    slot free since the tick before (a tick's forward runs before its backward), its release
+    reads the same slot. As many as a stage holds at once (sharding/pipeline/kept_residuals.py):
+    one per chunk and buffer slot would count every chunk at its own peak."""
+    out = np.zeros((self.ticks, self.stages, 1 if self.paired is None else 2), np.int32)
+    most = 1
+    for s in range(self.stages):
+      free, held, released = list(range(self.microbatches * self.virtual)), {}, []
+      for t in range(self.ticks):
+        for k, (op, m, c) in enumerate(self.slots_at(t, s)):
+          if op == FORWARD:
+            held[(m, c)] = free.pop(0)
+          if op != IDLE:
+            out[t, s, k] = held[(m, c)]
+          if op in RELEASES:
+            released.append(held.pop((m, c)))
+        most = max(most, len(held) + len(released))
+        free, released = sorted(free + released), []
+    return most, out
+
   def messages(self) -> tuple[np.ndarray, np.ndarray]:
     """(send [ticks, stages, k]: NOWHERE/RIGHT/LEFT/HERE, receive [ticks, stages, 3k, 4]) with
     k = 2 for paired schedules (the forward's and the backward's message), else 1: what each

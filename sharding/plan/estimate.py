@@ -370,7 +370,9 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            stages_recompute: bool = True) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
   `stages_recompute`: meshtron's executor's stash (schedules.executor_stash, position 0's input
-  gradients), one chunk recomputed per backward; False: all in-flight activations (Megatron)."""
+  gradients), the head split over the stages, one chunk recomputed per backward (or, with
+  pipeline_recompute off, the in-flight chunks' activations kept); False: all in-flight
+  activations (Megatron)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
@@ -385,7 +387,9 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
     stash = (schedules.executor_stash(*schedule) + lay.microbatches) * tokens * m.embed_dim * \
         precision.act_bytes / (lay.tensor if lay.sequence_parallel else 1)
-    in_flight, head = 1 / lay.virtual_stages, 1 / lay.pipeline  # each stage: its head tokens
+    head = 1 / lay.pipeline  # each stage: its head tokens
+  if lay.stages_recompute(stages_recompute):  # else its kept residuals: the in-flight chunks'
+    in_flight = 1 / lay.virtual_stages
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash

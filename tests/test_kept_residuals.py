@@ -1,0 +1,109 @@
+"""mesh.pipeline_recompute=false: the pipeline stages keep their forward's residuals for the
+backward tick (as Megatron's do) instead of running the chunk's forward again; the step trains
+exactly like one device, its backward ticks run no forward, and the analytic model prices it as
+the stages that store activations."""
+
+import dataclasses
+
+import pytest
+
+from configs import llama
+from sharding import Layout, MeshConfig
+from sharding.layout import parse
+from sharding.mesh import LayoutError
+from sharding.plan import estimate, hardware
+from tests import parallel_harness as harness
+from tests.test_parallel import assert_same_training
+from tests.test_pipeline import MODELS, loop_counts, references  # noqa: F401 (a fixture)
+from trainer.trainer import Trainer
+
+
+def kept(stages, schedule, virtual=1, **mesh):
+  return MeshConfig(**{"data": 8 // stages, **mesh, "pipeline": stages},
+                    pipeline_schedule=schedule, virtual_stages=virtual,
+                    pipeline_recompute=False)
+
+
+FAST = [pytest.param(kept(2, "paired_1f1b", 2), id="pipeline=2,paired_1f1b,vpp=2"),
+        pytest.param(kept(2, "1f1b", data=1, fsdp=2, tensor=2),
+                     id="pipeline=2,1f1b,fsdp=2,tensor=2")]
+SLOW = [pytest.param(kept(4, "interleaved_1f1b", 2, data=2), id="pipeline=4,interleaved"),
+        pytest.param(kept(2, "zero_bubble"), id="pipeline=2,zero_bubble"),
+        pytest.param(kept(4, "zbv", 2, data=2), id="pipeline=4,zbv"),
+        pytest.param(kept(4, "dualpipev", 2, data=2), id="pipeline=4,dualpipev")]
+
+
+@pytest.mark.parametrize("mesh", FAST)
+def test_kept_residuals_train_like_one_device(mesh, references):
+  """8 microbatches, 3 AdamW steps: loss, gradients and parameters equal the one-device run."""
+  assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", SLOW)
+def test_kept_residuals_train_like_one_device_every_schedule(mesh, references):
+  assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
+
+
+def compiled_text(recompute: bool):
+  cfg = harness.config(dataclasses.replace(kept(4, "1f1b", data=2), pipeline_recompute=recompute),
+                       microbatches=8, model=MODELS[4])
+  trainer = Trainer(cfg)
+  with trainer.scope():
+    return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+
+
+def test_backward_ticks_run_no_forward_and_keep_more():
+  """1F1B, 4 stages, 8 microbatches. A layer's dot runs once in the forward and twice in the
+  backward (the input's and the weight's gradients); recomputing, a backward tick runs the
+  forward's again: 4 a microbatch against 3 kept. The dots the step executes (each loop's trips
+  x its body's) measured 732 recomputing, 606 kept: the layers' 504 drop by their quarter, the
+  head's and the rest (228) stay. The kept residuals take more memory than the recomputing
+  program's stage inputs."""
+  counts, temps = {}, {}
+  for recompute in (True, False):
+    program = compiled_text(recompute)
+    loops = loop_counts(program.as_text(), lambda i: i.op == "dot")
+    counts[recompute] = sum(trips * dots for trips, dots in loops if trips)
+    temps[recompute] = program.memory_analysis().temp_size_in_bytes
+  assert counts[False] < 0.85 * counts[True], counts
+  assert temps[False] > temps[True], temps
+
+
+def test_layout_and_estimate_of_kept_residuals():
+  """The switch reads and prints as pipeline_recompute=0; the analytic model prices it as the
+  stages that store activations (stages_recompute=False: Megatron's): no forward rerun."""
+  lay = parse("pipeline=4,data=2,pipeline_recompute=0")
+  assert not lay.pipeline_recompute and parse(lay.string()) == lay
+  recomputing = dataclasses.replace(lay, pipeline_recompute=True)
+  model = llama.model("llama3_8b")
+  assert hardware.flops_split(model, lay, 8192) == hardware.flops_split(
+      model, recomputing, 8192, stages_recompute=False)
+  assert sum(hardware.flops_split(model, lay, 8192)) < sum(
+      hardware.flops_split(model, recomputing, 8192))
+  assert not Layout(pipeline_recompute=False).stages_recompute()  # no stages: nothing rerun
+
+
+@pytest.mark.parametrize("change,model", [
+    (dict(stage_layers="1+3+2+2"), MODELS[8]),
+    ({}, dataclasses.replace(MODELS[8], mtp_depth=1)),
+], ids=["uneven stages", "multi-token prediction"])
+def test_kept_residuals_refuse_what_they_cannot_keep(change, model):
+  """One line before anything is built: a program per row pattern or a last stage's extra
+  modules are not kept."""
+  cfg = harness.config(dataclasses.replace(kept(4, "1f1b", data=2), **change),
+                       microbatches=8, model=model)
+  with pytest.raises(LayoutError, match="pipeline_recompute=false keeps one program"):
+    Trainer(cfg)
+
+
+def test_memory_estimate_of_kept_residuals():
+  """The analytic memory: the executor's stash and split head either way; kept, the in-flight
+  chunks' activations (as Megatron's stages hold them) instead of one chunk's."""
+  lay = parse("pipeline=4,data=2,ga=8,pipeline_recompute=0")
+  recomputing = dataclasses.replace(lay, pipeline_recompute=True)
+  model = llama.model("llama3_8b")
+  kept, again = estimate.memory(model, lay, 8192), estimate.memory(model, recomputing, 8192)
+  assert kept.logits == again.logits  # the head's tokens split over the stages in both
+  megatron = estimate.memory(model, recomputing, 8192, stages_recompute=False)
+  assert kept.activations > again.activations and megatron.activations < kept.activations
