@@ -343,8 +343,7 @@ def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
         m.moe.num_experts
     ff = routed * m.moe_share() + ff * (1 - m.moe_share())
   qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
-  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole on every
-  # tensor-parallel device.
+  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole per device.
   latents = 0 if m.mla is None else \
       2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
@@ -369,10 +368,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
            formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
            stages_recompute: bool = True) -> Memory:
   """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
-  `stages_recompute`: meshtron's executor's stash (schedules.executor_stash, position 0's input
-  gradients), the head split over the stages, one chunk recomputed per backward (or, with
-  pipeline_recompute off, the in-flight chunks' activations kept); False: all in-flight
-  activations (Megatron)."""
+  `stages_recompute`: meshtron's executor (its stash, the head split over the stages, one chunk
+  recomputed unless pipeline_recompute is off); False: all in flight (Megatron)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
@@ -387,9 +384,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
     stash = (schedules.executor_stash(*schedule) + lay.microbatches) * tokens * m.embed_dim * \
         precision.act_bytes / (lay.tensor if lay.sequence_parallel else 1)
-    head = 1 / lay.pipeline  # each stage: its head tokens
-  if lay.stages_recompute(stages_recompute):  # else its kept residuals: the in-flight chunks'
-    in_flight = 1 / lay.virtual_stages
+    head, in_flight = 1 / lay.pipeline, (1 / lay.virtual_stages if lay.pipeline_recompute
+                                         else in_flight)  # its head tokens; kept: all in flight
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
