@@ -304,9 +304,9 @@ class Transformer(nnx.Module):
     # a region nested in the stage: sharding.shard_map.stage_shard_map).
     # Unless the stages keep their residuals (pipeline_recompute off): then the policy decides
     # what they keep, as without stages.
-    recomputed = unrolled_chunk and self.layout.pipeline_recompute
-    if not recomputed and (scanned or self.compute.remat != "none"
-                           or not self.layout.stages_recompute()):
+    kept = self.layout.in_pipeline_stage and not self.layout.pipeline_recompute
+    if kept or not unrolled_chunk and (scanned or self.compute.remat != "none"
+                                       or not self.layout.in_pipeline_stage):
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.compute.remat],
                             prevent_cse=not scanned)
     if accumulating:

@@ -45,7 +45,7 @@ def test_kept_residuals_train_like_one_device_every_schedule(mesh, references):
   assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
 
 
-def compiled_text(recompute: bool):
+def compiled(recompute: bool):
   cfg = harness.config(dataclasses.replace(kept(4, "1f1b", data=2), pipeline_recompute=recompute),
                        microbatches=8, model=MODELS[4])
   trainer = Trainer(cfg)
@@ -62,7 +62,7 @@ def test_backward_ticks_run_no_forward_and_keep_more():
   program's stage inputs."""
   counts, temps = {}, {}
   for recompute in (True, False):
-    program = compiled_text(recompute)
+    program = compiled(recompute)
     loops = loop_counts(program.as_text(), lambda i: i.op == "dot")
     counts[recompute] = sum(trips * dots for trips, dots in loops if trips)
     temps[recompute] = program.memory_analysis().temp_size_in_bytes

@@ -164,7 +164,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   shared = vary(shared)
   keeping = None if recompute else kept_residuals.for_stage(  # one row pattern, no `last`
       fns.stage, patterns[0], vary, local, quantized, shared, x, first_mb)
-  kept_count, kept_slot = schedule.kept_slots()  # each op's slot of its kept residuals
+  kept_count, kept_slot = schedule.kept_slots() if keeping else (0, None)  # each op's slot
   layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
                                      jax.tree.map(lambda _: False, shared))
   # The sums over microbatches in accum_dtype (float32 by default, as the unpipelined step and
@@ -218,8 +218,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     return carry
 
   def run(carry, op, m, c, ops, kept_at):
-    """One operation (`op` of microbatch m, chunk c; one of `ops`; its kept residuals' slot
-    kept_at): (carry, its message)."""
+    """`op` of microbatch m, chunk c (one of `ops`; kept residuals: slot kept_at): (carry, msg)."""
     slot, position = m % slots, positions[c, me]
     mb = jax.tree.map(lambda a: a[m], data)
     chunk = jax.tree.map(lambda w: w[c], local)
@@ -365,14 +364,15 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
 
   def tick(carry, t, ticks, flags):
     ops = (used(0, ticks), used(1, ticks) if paired is not None else None)
+    kept_at = (None, None) if keeping is None else jnp.asarray(kept_slot)[t, me]
     carry, message = run(carry, table[t, me, 0], table[t, me, 1], table[t, me, 2], ops[0],
-                         jnp.asarray(kept_slot)[t, me, 0])
+                         kept_at[0])
     if flags & 2:  # the head, in loops over ticks that run it (sharding.pipeline.schedules)
       carry = head(carry, t, message, every=bool(np.all(head_ops[ticks, 0] >= 0)))
     messages = [message]
     if paired is not None:  # the backward overlapped with this tick's forward
       carry, message = run(carry, paired[t, me, 0], paired[t, me, 1], paired[t, me, 2],
-                           ops[1], jnp.asarray(kept_slot)[t, me, 1])
+                           ops[1], kept_at[1])
       messages.append(message)
     return transfers.send_and_receive(carry, messages, t, me, tables, arrivals, axis, stages,
                                       vary(jnp.zeros(act.shape, act.dtype)))

@@ -222,7 +222,7 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   remat = lay.stage_remat(m.num_layers, stages_recompute)
   forwards = {"none": 0, "selective": 0, "full": 1}[remat]  # linear forwards recomputed
   scores = {"none": 0.0, "selective": attention / 3, "full": attention / 3}[remat]
-  staged = lay.stages_recompute(stages_recompute)  # meshtron's executor
+  staged = lay.stages_recompute(stages_recompute)  # meshtron's executor, recomputing
   if staged:  # its stash holds chunk inputs only (estimate.memory)
     forwards, scores = forwards + 1, scores + attention / 3
   passes, head = 6 + 2 * forwards, 6  # x params: forward 2, backward 4, a recomputed forward 2
