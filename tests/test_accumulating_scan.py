@@ -4,6 +4,10 @@ gradient (by max for fp8 histories), also under the train step's replicas' vmap,
 backward holds no second stacked gradient beside the buffer."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +127,71 @@ def test_the_train_step_accumulates_as_plain_autodiff_does(what):
                       compute=dataclasses.replace(compute, scan_layers=scan))
           for scan in (True, False)]
   assert_same_training(*runs)
+
+
+# Runs in a fresh interpreter with JAX_PLATFORMS=cpu and the CUDA plugin (the gpu-aot extra): an
+# MLP's three weights, each with its accumulator under the replicas' vmap (one replica, as a
+# device holds), the accumulating scan's backward compiled for one H100 as it is and with the
+# form before (the row squeezed out of its slice and expanded back around the sum). Prints, per
+# form, the in-place updates of an accumulator that take a row of it computed outside them (a
+# second read and a temporary), and the memory-bound kernels' predicted seconds.
+ROWS_ON_H100 = r"""
+import json, re
+import jax, jax.numpy as jnp
+from models import accumulating_scan as scan
+from sharding.plan import hardware
+from sharding.xla import compiled, step_time
+
+device = compiled.gpu_devices(compiled.parse_gpu_target("h100x1"))[0]
+LAYERS, TOKENS, D, F = 4, 2048, 512, 1024
+spec = lambda shape, dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+def layer(h, p):
+  return h + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
+
+def squeezed(a, i, row):
+  old = jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+  return jax.lax.dynamic_update_index_in_dim(a, old + row, i, 0)
+
+def grad(params, acc, x):
+  none = jax.tree.map(lambda _: False, params)
+  return jax.grad(lambda a: jnp.sum(scan.accumulating_scan(layer, x, params, a, none)[0]
+                                    .astype(jnp.float32) ** 2))(acc)
+
+params = {"gate": spec((LAYERS, D, F), jnp.bfloat16), "up": spec((LAYERS, D, F), jnp.bfloat16),
+          "down": spec((LAYERS, F, D), jnp.bfloat16)}
+acc = jax.tree.map(lambda s: spec((1, *s.shape), jnp.float32), params)
+result = {}
+for form in ("kept", "squeezed"):
+  if form == "squeezed":
+    scan._COMBINE_ROW[False] = squeezed
+  step = jax.jit(jax.vmap(grad, in_axes=(None, 0, None)), donate_argnums=1)
+  text = step.lower(params, acc, spec((TOKENS, D), jnp.bfloat16)).compile().as_text()
+  updates = re.findall(r"^%\S+ \((.*)\) -> f32\[1,4,(\d+),(\d+)\]", text, re.M)
+  p = step_time.predict(text, hardware.PROFILES["h100"], top=10000)
+  result[form] = {
+      "updates": len(updates),
+      "row_from_outside": sum(f"f32[1,1,{a},{b}]" in args for args, a, b in updates),
+      "memory_s": sum(o["total_s"] for o in p.top_ops if o["kind"] == "memory")}
+print(json.dumps(result))
+"""
+
+
+def test_an_accumulators_row_is_read_inside_its_in_place_update_on_h100():
+  """Each layer's weight gradient is added into its accumulator row by one in-place update
+  that reads the row itself. Squeezed out of its slice and expanded back (the form before),
+  XLA's GPU fusion read the three weights' rows in one fusion of their own and handed them to
+  the updates: every row read twice and written to a temporary."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+  env.pop("XLA_FLAGS", None)  # fake CPU device counts do not belong in a GPU compile
+  proc = subprocess.run([sys.executable, "-c", ROWS_ON_H100], capture_output=True, text=True,
+                        env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  kept, before = result["kept"], result["squeezed"]
+  assert kept["updates"] == before["updates"] == 3  # an in-place update per weight, each form
+  assert before["row_from_outside"] == 3  # the variants differ: the waste is visible
+  assert kept["row_from_outside"] == 0
+  assert kept["memory_s"] < before["memory_s"]

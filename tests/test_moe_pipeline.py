@@ -155,10 +155,11 @@ def test_a_chunk_of_padding_rows_keeps_no_gradient_sums():
   data=2: the dense stack's rows are at position 0 only, so every device's second chunk of it is
   padding on every stage. The executor keeps no float32 sums for that chunk (the compiled
   program has the dense MLP's sums for one chunk, [1, 1, ...], not two) and trains like one
-  device."""
+  device, at ZeRO-1: the shared weights' sums reduce-scattered outside the stages, the experts'
+  own summed over no `expert` device (sharding/pipeline/reduction.py)."""
   from sharding.pipeline import schedules
   mesh = MeshConfig(data=2, pipeline=2, expert=2, pipeline_schedule="interleaved_1f1b",
-                    virtual_stages=2)
+                    virtual_stages=2, zero_stage=1)
   model = dataclasses.replace(harness.MODEL, num_layers=4)
   present = stage_split.present_rows(Trainer(harness.config(
       mesh, moe=MOE, model=model, microbatches=4)).stage_layers)

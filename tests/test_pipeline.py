@@ -45,7 +45,8 @@ def case(stages, schedule, extra=None, layers=4, virtual=None):
 FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind not in schedules.V_SHAPED] + [
     case(4, "1f1b"), case(8, "1f1b", layers=8),
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
-    case(4, "interleaved_1f1b", {"data": 2}, layers=8),
+    # ZeRO-1: the layer gradients reduce-scattered into the optimizer state's parts.
+    case(4, "interleaved_1f1b", {"data": 2, "zero_stage": 1}, layers=8),
     case(4, "zbv", {"data": 2}, layers=8),
     case(4, "dualpipev", {"data": 2}, layers=8),
 ]
@@ -79,10 +80,10 @@ def test_every_schedule_on_4_and_8_stages_equals_one_device(stages, schedule, vi
 
 
 @pytest.mark.parametrize("mesh,impl", [
-    (dict(data=2, context=2), "allgather"),
+    (dict(data=2, context=2, zero_stage=1), "allgather"),
     (dict(tensor=2, context=2, sequence_parallel=True), "ulysses"),
     (dict(context=4, pipeline_schedule="interleaved_1f1b", virtual_stages=2), "allgather"),
-], ids=["context=2,data=2,allgather", "context=2,tensor=2,sp,ulysses",
+], ids=["context=2,data=2,zero=1,allgather", "context=2,tensor=2,sp,ulysses",
         "context=4,interleaved,allgather"])
 def test_context_parallelism_inside_the_stages_equals_one_device(mesh, impl, references):
   """Each stage's attention runs the context-parallel kernel in a region nested in the stage's

@@ -90,9 +90,16 @@ def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
     if layout.stage_expert_axes:
       split = specs_over({k: names[k] for k in params}, params, layout.stage_expert_axes)
       split = ({k: split[k] for k in stacks}, {k: split[k] for k in shared})
+    # ZeRO-1: each layer weight's gradient reduce-scattered into its optimizer state's parts
+    # (the `opt_state` view over the executor's replica axes), not all-reduced whole.
+    reduced = None
+    if layout.zero_stage == 1:
+      replicas = (*layout.gradient_replica_axes[0], *layout.stage_expert_axes,
+                  *layout.stage_sequence_axes)
+      reduced = specs_over({k: names[k] for k in stacks}, stacks, replicas, role="opt_state")
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
         layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split,
-        layout.pipeline_recompute)
+        layout.pipeline_recompute, reduced)
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn

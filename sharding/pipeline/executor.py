@@ -1,14 +1,17 @@
 """Pipeline parallelism inside one SPMD program: a schedule's tick table run under shard_map over
 the pipeline axis, with ppermute between stages and a manual backward (jax.vjp)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.pipeline import kept_residuals, schedules as sched, stage_split, transfers
+from sharding.pipeline.device_order import device_order
 from sharding.pipeline.head_pieces import HeadPieces
-from sharding.pipeline.reduction import reduce_sums
+from sharding.pipeline.reduction import per_replica_specs, reduce_sums, sum_replicas
 from sharding.pipeline.shared_grads import Leaves, embedding_grads, embeddings
 from sharding.pipeline.stage_fns import StageFns
 from sharding.pipeline.tick_loops import scan_ticks
@@ -16,17 +19,9 @@ from sharding.scope import excluding
 from sharding.shard_map import varying_over
 
 
-def _chunk_order(schedule: sched.Schedule) -> jnp.ndarray:
-  """Device s holds the chunks at its positions (interleaved: s, s+S, ...; the V: s and
-  2S-1-s); storage keeps model order, so the chunks are permuted into device order for the step
-  (and the gradients back)."""
-  return jnp.asarray([schedule.position(c, s) for s in range(schedule.stages)
-                      for c in range(schedule.virtual)])
-
-
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
                    present: dict | None = None, by_max=None, accum_dtype=None,
-                   expert_specs=None, recompute=True):
+                   expert_specs=None, recompute=True, reduced_specs=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -50,6 +45,9 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
       dim; a stacked weight's first entry is ignored); None: none split over them.
     recompute: a backward tick runs its chunk's forward again (storing only its input); False:
       the forward tick keeps its residuals for it (sharding/pipeline/kept_residuals.py).
+    reduced_specs: under ZeRO-1, a tree like `layers` of each weight's optimizer-state
+      PartitionSpec over the replica axes: its gradient is reduce-scattered into those parts
+      (sharding/pipeline/reduction.py) and returned split so; None: all-reduced whole.
   Returns:
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
     storage order), summed over microbatches, in the parameters' dtypes.
@@ -72,33 +70,29 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   def batch_spec(a):  # [M, b, L, ...]: rows over the replicas, the sequence over its parts
     return PartitionSpec(None, rows_axes or None, *((seq_axes,) if a.ndim > 2 and seq_axes
                                                     else ()))
-  stages, virtual = schedule.stages, schedule.virtual
-  order = _chunk_order(schedule)
-
-  def to_chunks(tree, inverse=False):  # [L, ...] <-> device-ordered chunks [S*v, L/(S*v), ...]
-    def one(w):
-      chunks = w.reshape(stages * virtual, w.shape[0] // (stages * virtual), *w.shape[1:])
-      perm = jnp.argsort(order) if inverse else order
-      return (chunks if virtual == 1 else jnp.take(chunks, perm, axis=0)).reshape(w.shape)
-    return jax.tree.map(one, tree)
+  to_chunks = functools.partial(device_order, schedule, layout.mesh, axis)
+  grad_specs, later, parts = per_replica_specs(layer_specs, reduced_specs, by_max[0] if by_max
+                                               else jax.tree.map(lambda _: False, layers),
+                                               replica_axes)
 
   def per_device(layers, shared, data):
     with excluding((axis, *replica_axes)):
       return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max,
-                  accum_dtype, recompute)
+                  accum_dtype, recompute, later)
 
   mapped = jax.shard_map(
       per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
       in_specs=(layer_specs, shared_specs, jax.tree.map(batch_spec, data)),
-      out_specs=(layer_specs, shared_specs, PartitionSpec(), PartitionSpec(),
+      out_specs=(grad_specs, shared_specs, PartitionSpec(), PartitionSpec(),
                  PartitionSpec(axis)))
   layer_grads, shared_grads, loss_sum, stats, row_stats = mapped(to_chunks(layers), shared, data)
+  layer_grads = sum_replicas(layer_grads, later, parts, layers, layout.mesh)
   return (to_chunks(layer_grads, inverse=True), shared_grads, loss_sum, stats,
           to_chunks(row_stats, inverse=True))
 
 
 def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max, accum_dtype,
-         recompute):
+         recompute, later):
   """One device's part: a scan over the ticks of the table."""
   manual = (axis, *replica_axes)
   stages, virtual = schedule.stages, schedule.virtual
@@ -388,12 +382,14 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # over stages and replicas (the rest).
   rows_of = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
   as_params = lambda tree, like: jax.tree.map(lambda a, p: a.astype(p.dtype), tree, like)
-  layer_sums = reduce_sums(carry["layer_acc"], replica_axes, layer_max, layer_own)
+  layer_sums = reduce_sums(carry["layer_acc"], replica_axes, layer_max, layer_own, later)
   layer_sums = {k: jax.tree.map(  # the dead chunks' zeros back in place
       lambda a, w, i=np.flatnonzero(live[k]): a if len(i) == virtual else
       jnp.zeros(w.shape, a.dtype).at[i].set(a), acc, local[k])
       for k, acc in layer_sums.items()}
-  return (rows_of(as_params(layer_sums, local)),
+  # Per replica (a leading dim; summed outside, sum_replicas) or reduced, as the parameters.
+  return (jax.tree.map(lambda a, p, r: a[None] if r else a.astype(p.dtype), rows_of(layer_sums),
+                       layers, later),
           as_params(reduce_sums(shared_acc, manual, shared_max, shared_own), shared),
           reduce_sums(carry["loss"], manual),
           reduce_sums(carry["stats"], manual),
