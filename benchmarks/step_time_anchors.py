@@ -76,6 +76,7 @@ def run(a: Anchor) -> dict:
           **anchor_planner.planner_fields(a, layout, st["tokens_per_s_per_gpu"]),
           "top_ops": [{k: op[k] for k in ("name", "kind", "count", "total_s", "flops")}
                       for op in st["top_ops"][:5]],
+          "xla_rematerialization": rep.extra.get("xla rematerialization", ""),
           "compile_s": round(time.perf_counter() - start, 1)}
 
 
@@ -147,8 +148,10 @@ def render(path: str) -> str:
   for r in rows:
     routing = f" Routing: {r['routing']}." if r.get("routing") else ""
     before = f" Before row: {r['before']}." if r.get("before") else ""
+    remat = (f" Compiled (trainer/xla_remat.py): {r['xla_rematerialization']}."
+             if r.get("xla_rematerialization") else "")
     lines.append(f"- {r['anchor']}: {r['source']}. Not the same: {r['differences']}."
-                 f"{routing}{before}")
+                 f"{routing}{before}{remat}")
   return "\n".join(lines) + "\n"
 
 

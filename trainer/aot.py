@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from sharding.xla import compiled as compiled_report
 from sharding.plan import hardware
@@ -22,22 +21,23 @@ from trainer.config import TrainConfig, config_from_dict
 
 
 def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
-                    hlo_path: str = "", gpus_per_node: int = 8) -> compiled_report.CompiledReport:
-  """Compiles the train step from abstract inputs (nothing allocated) on `devices`; a GPU
-  program's step time is predicted from its scheduled HLO (sharding/xla/step_time.py)."""
+                    hlo_path: str = "", gpus_per_node: int = 8,
+                    device_memory_bytes: int = 0) -> compiled_report.CompiledReport:
+  """Compiles the train step from abstract inputs (nothing allocated) on `devices` (of
+  `device_memory_bytes` each; this machine's: their own limit); a GPU program's step time is
+  predicted from its scheduled HLO (sharding/xla/step_time.py)."""
   import jax
 
   from trainer.trainer import Trainer  # after the caller configured JAX's platforms and devices
   local = devices is None
   devices = jax.devices() if local else devices
   trainer = Trainer(cfg, devices)
-  start = time.perf_counter()
-  with trainer.scope():
-    lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
-    executable = lowered.compile()
-  rep = compiled_report.report(executable, target, devices, time.perf_counter() - start)
   if local:  # this machine's devices: what they hold, for the report's fit verdict
-    rep.memory_limit_bytes = trainer.memory_limit()[0]
+    device_memory_bytes = trainer.memory_limit()[0]
+  executable, seconds, remat_note = trainer.compile_step(device_memory_bytes)
+  rep = compiled_report.report(executable, target, devices, seconds)
+  if local:
+    rep.memory_limit_bytes = device_memory_bytes
   tokens = cfg.batch_size * cfg.seq_len
   rep.extra = {
       "model": f"{cfg.model.num_params() / 1e9:.3f}B parameters, {cfg.model.num_layers} layers",
@@ -53,6 +53,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
                      + (f" + {cfg.xla_options}" if cfg.xla_options else ""),
       "model FLOPs per device per step (6N + attention)":
           f"{cfg.model.flops_per_token(cfg.seq_len) * tokens / len(devices):.4g}",
+      **({"xla rematerialization": remat_note} if remat_note else {}),
   }
   text = executable.as_text()
   profile = hardware.profile_of_device(getattr(devices[0], "device_kind", ""))
@@ -123,7 +124,8 @@ def _worker(request_path: str, response_path: str) -> None:
     sys.exit(f"no deviceless GPU compiler: install the gpu-aot extra"
              f" (pip install -e '.[gpu-aot]') and keep JAX_PLATFORMS=cpu ({e})")
   try:
-    rep = compile_locally(cfg, target.name, devices, request["hlo_path"], target.devices_per_host)
+    rep = compile_locally(cfg, target.name, devices, request["hlo_path"], target.devices_per_host,
+                          target.device_memory_bytes)
   except ValueError as e:
     sys.exit(str(e).splitlines()[0])
   rep.extra["device memory"] = f"{target.device_memory_bytes / 2**30:.1f} GiB ({target.gpu})"

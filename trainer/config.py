@@ -187,6 +187,10 @@ class TrainConfig:
   # A named, versioned set of XLA options for compute/communication overlap (sharding/
   # presets.py: "auto", "none", "overlap_v1", ...); xla_options override it option by option.
   xla_preset: str = presets.DEFAULT_PRESET
+  # Where XLA:GPU's rematerialization recomputed instructions to fit its memory estimate, compile
+  # the step again with its limit raised and keep that program if its peak fits 95% of device
+  # memory (trainer/xla_remat.py); False compiles once.
+  recompile_without_xla_remat: bool = True
   # Memory per device in GiB for the fit check before training (the compiled program's peak must
   # fit); 0 = the device's own limit where the backend reports one (GPUs), else no check.
   device_memory_gib: float = 0.0

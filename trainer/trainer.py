@@ -2,7 +2,6 @@
 steps), abstract until `init_state()` materializes the state directly into its shardings."""
 
 import dataclasses
-import time
 
 import jax
 
@@ -11,7 +10,7 @@ from models import abstract_model, param_names
 from sharding import report
 from sharding.plan import estimate, optimizer_cost
 from sharding.xla import compiled, presets
-from trainer import data
+from trainer import data, xla_remat
 from trainer.config import TrainConfig, compiler_options
 from trainer.optim import make_optimizer
 from trainer.state import make_init_fn, state_shardings, unstored
@@ -62,7 +61,7 @@ class Trainer:
       self.batch_sharding = {
           k: sharding.named_sharding(("batch", "seq"), shape, f"batch/{k}") for k in BATCH_KEYS}
       replicated = sharding.replicated()
-      options = presets.check_options(  # fails at start-up, not deep in a run
+      self.compiler_options = options = presets.check_options(  # fails at start-up
           compiler_options(cfg, sharding.mesh_sizes(self.mesh)))
       # Bound to the layout: whoever traces them, they trace with this mesh and these rules.
       self.step_fn = self.layout.bind(make_train_step(self.step_graphdef, self.names, self.tx,
@@ -80,13 +79,12 @@ class Trainer:
   def compile(self) -> "compiled.CompiledReport":
     """Compiles the train step ahead of time (the program training runs) and refuses a layout
     whose compiled peak memory exceeds the device memory."""
-    start = time.perf_counter()
-    with self.scope():
-      executable = self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
-    self.compiled_step = executable
-    rep = compiled.report(executable, "local", list(self.mesh.devices.flat),
-                          time.perf_counter() - start)
     limit, where = self.memory_limit()
+    executable, seconds, remat_note = self.compile_step(limit)
+    self.compiled_step = executable
+    rep = compiled.report(executable, "local", list(self.mesh.devices.flat), seconds)
+    if remat_note:
+      rep.extra["xla rematerialization"] = remat_note
     if limit and not compiled.fits(rep, limit)[0]:
       raise ValueError(
           f"the compiled train step needs {rep.memory['peak'] / 2**30:.2f} GiB per device (peak:"
@@ -94,6 +92,15 @@ class Trainer:
           f" {rep.memory['temp'] / 2**30:.2f}) but {where} {limit / 2**30:.2f} GiB; shard"
           " more (fsdp, tensor, zero_stage), recompute more (compute.remat) or shrink the batch")
     return rep
+
+  def compile_step(self, device_memory_bytes: int):
+    """(compiled train step, seconds, a line on XLA's rematerialization or ""): compiled again
+    with XLA's memory limit raised where XLA recomputed instructions, kept if it fits
+    (trainer/xla_remat.py; cfg.recompile_without_xla_remat)."""
+    with self.scope():
+      lowered = self.train_step.lower(self.abstract_state, self.abstract_batch())
+      return xla_remat.compile_step(lowered, device_memory_bytes, self.compiler_options,
+                                    self.cfg.recompile_without_xla_remat)
 
   def memory_limit(self) -> tuple[int, str]:
     """(bytes one device may use, what that is): --config.device_memory_gib, else the GPU's own

@@ -34,8 +34,9 @@ class GpuTarget:
 
   @property
   def device_memory_bytes(self) -> int:
-    text = open(self.config_path).read()
-    return int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    """One device's memory, from the target config (0 where it gives none)."""
+    found = re.search(r"device_memory_size:\s*(\d+)", open(self.config_path).read())
+    return int(found.group(1)) if found else 0
 
 
 def parse_gpu_target(name: str) -> GpuTarget:
@@ -102,9 +103,9 @@ class CompiledReport:
     return async_bytes / total if total else 1.0
 
 
-def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -> CompiledReport:
-  """Builds the report of a `jax.stages.Compiled` (from `jit(f).lower(...).compile()`) for the
-  `devices` it was compiled for."""
+def memory_of(compiled) -> dict:
+  """Bytes per device of a `jax.stages.Compiled`: arguments, outputs, temporaries, aliased,
+  generated code, and the peak."""
   stats = compiled.memory_analysis()
   memory = {key: int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
             for key in ("argument", "output", "temp", "alias", "generated_code")}
@@ -112,6 +113,24 @@ def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -
   # Some backends report a peak of their own (XLA:CPU's omits temporaries): take the larger.
   memory["peak"] = max(int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
                        memory["argument"] + memory["output"] + memory["temp"] - memory["alias"])
+  return memory
+
+
+# XLA's rematerialization pass names each instruction it recomputes after the original, with
+# ".remat" (".remat2" for a second copy; XLA may uniquify either: "bitcast.remat.3").
+_REMATERIALIZED = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]*\.remat\d*(?:\.\d+)*\s*=", re.M)
+
+
+def rematerialized(text: str) -> int:
+  """How many instructions of a compiled program (its HLO text) XLA recomputes to meet its
+  memory limit."""
+  return len(_REMATERIALIZED.findall(text))
+
+
+def report(compiled, target: str, devices: list, compile_seconds: float = 0.0) -> CompiledReport:
+  """Builds the report of a `jax.stages.Compiled` (from `jit(f).lower(...).compile()`) for the
+  `devices` it was compiled for."""
+  memory = memory_of(compiled)
   costs = compiled.cost_analysis()
   costs = costs[0] if isinstance(costs, list) else costs
   flops = float(costs["flops"]) if costs and "flops" in costs else None

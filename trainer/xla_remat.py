@@ -1,0 +1,48 @@
+"""Compiling the train step once, and again without XLA's rematerialization where it fits.
+
+XLA:GPU's rematerialization pass recomputes instructions (GEMMs too) until its own estimate of
+the program's temporaries fits its memory limit, xla_gpu_memory_limit_slop_factor percent (95 by
+default) of the device's memory less the arguments. That estimate can be far above what buffer
+assignment then allocates: the NeMo Llama-3.1-8B CP2 recipe's program recomputes 147
+instructions and peaks at 73.15 GiB, and compiled with the limit raised it recomputes none and
+peaks at the same 73.15 GiB (docs/planning.md, the anchors table). So when the first program
+holds recomputed instructions, the step is compiled a second time with the limit raised, and
+that program is kept if its compiled peak fits the budget the first one was planned for (95% of
+the device's memory); else the first is kept. Nothing changes where XLA recomputes nothing (CPU
+programs, and GPU programs with room).
+"""
+
+import time
+
+from sharding.xla import compiled
+
+SLOP_OPTION = "xla_gpu_memory_limit_slop_factor"
+XLA_DEFAULT_SLOP = 95  # percent of device memory: XLA's default, which the first compile plans for
+# Percent of device memory the second compile plans for: XLA then rematerializes nothing in the
+# anchors' programs (NeMo 8B CP2, torchtitan 8B FSDP 8); the compiled peak decides what is kept.
+RAISED_SLOP = 200
+
+
+def compile_step(lowered, device_memory_bytes: int, options: dict, retry: bool = True):
+  """(compiled program, seconds compiling, a line on XLA's rematerialization or "").
+
+  lowered: the train step's `jax.stages.Lowered`; device_memory_bytes: one device's memory
+  (0: unknown, no second compile); options: the XLA options it was lowered with (a slop factor
+  set there is the user's choice: no second compile); retry: False compiles once."""
+  start = time.perf_counter()
+  first = lowered.compile()
+  recomputed = compiled.rematerialized(first.as_text())
+  if not recomputed or not retry or not device_memory_bytes or SLOP_OPTION in options:
+    return first, time.perf_counter() - start, (
+        f"XLA recomputes {recomputed} instructions to fit its memory limit" if recomputed else "")
+  second = lowered.compile(compiler_options={SLOP_OPTION: RAISED_SLOP})
+  budget = device_memory_bytes * XLA_DEFAULT_SLOP // 100
+  peak, first_peak = compiled.memory_of(second)["peak"], compiled.memory_of(first)["peak"]
+  kept = peak <= budget
+  gib = lambda n: f"{n / compiled.GIB:.3g} GiB"  # noqa: E731
+  note = (f"XLA recomputed {recomputed} instructions to fit its memory limit (peak"
+          f" {gib(first_peak)}); compiled again with {SLOP_OPTION}={RAISED_SLOP}:"
+          f" {compiled.rematerialized(second.as_text())} recomputed, peak {gib(peak)}"
+          f" {'<=' if kept else '>'} {gib(budget)} ({XLA_DEFAULT_SLOP}% of the device's"
+          f" {gib(device_memory_bytes)}): {'kept' if kept else 'the first program kept'}")
+  return (second if kept else first), time.perf_counter() - start, note
