@@ -34,7 +34,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
   trainer = Trainer(cfg, devices)
   if local:  # this machine's devices: what they hold, for the report's fit verdict
     device_memory_bytes = trainer.memory_limit()[0]
-  executable, seconds, remat_note = trainer.compile_step(device_memory_bytes)
+  executable, seconds, remat_note = trainer.compile_step(device_memory_bytes, gpus_per_node)
   rep = compiled_report.report(executable, target, devices, seconds)
   if local:
     rep.memory_limit_bytes = device_memory_bytes

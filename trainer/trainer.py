@@ -8,8 +8,8 @@ import jax
 import sharding
 from models import abstract_model, param_names
 from sharding import report
-from sharding.plan import estimate, optimizer_cost
-from sharding.xla import compiled, presets
+from sharding.plan import estimate, hardware, optimizer_cost
+from sharding.xla import compiled, presets, step_time
 from trainer import data, xla_remat
 from trainer.config import TrainConfig, compiler_options
 from trainer.optim import make_optimizer
@@ -93,14 +93,20 @@ class Trainer:
           " more (fsdp, tensor, zero_stage), recompute more (compute.remat) or shrink the batch")
     return rep
 
-  def compile_step(self, device_memory_bytes: int):
+  def compile_step(self, device_memory_bytes: int, gpus_per_node: int = 0):
     """(compiled train step, seconds, a line on XLA's rematerialization or ""): compiled again
-    with XLA's memory limit raised where XLA recomputed instructions, kept if it fits
-    (trainer/xla_remat.py; cfg.recompile_without_xla_remat)."""
+    with XLA's memory limit raised where XLA recomputed instructions, kept if it fits and is
+    predicted faster on a GPU with a profile (trainer/xla_remat.py;
+    cfg.recompile_without_xla_remat). gpus_per_node: 0 = this process's devices."""
+    devices = list(self.mesh.devices.flat)
+    profile = hardware.profile_of_device(getattr(devices[0], "device_kind", ""))
+    per_node = gpus_per_node or jax.local_device_count()
+    step_seconds = None if profile is None else (
+        lambda text: step_time.predict(text, profile, per_node).step_s)
     with self.scope():
       lowered = self.train_step.lower(self.abstract_state, self.abstract_batch())
       return xla_remat.compile_step(lowered, device_memory_bytes, self.compiler_options,
-                                    self.cfg.recompile_without_xla_remat)
+                                    self.cfg.recompile_without_xla_remat, step_seconds)
 
   def memory_limit(self) -> tuple[int, str]:
     """(bytes one device may use, what that is): --config.device_memory_gib, else the GPU's own
