@@ -72,6 +72,10 @@ def test_no_recompilation_after_the_first_step(explain_cache_misses, caplog):
 
 def test_train_step_benchmark_prints_one_json_line(tmp_path, capsys):
   """Runs the AOT `compiled_step` (an executable: it cannot recompile) step after step."""
+  # The backend starts here with conftest's 8 devices, if no earlier test started it: main()
+  # sets a device count for a fresh process, which would otherwise leave 4 to this process's
+  # later tests (the sweep's 8-device layouts, when this file runs alone).
+  assert len(jax.devices()) == 8
   peak_file = tmp_path / "peak.jsonl"
   peak_file.write_text(json.dumps({"benchmark": "matmul_peak", "dtype": "float32",
                                    "gflops": 100.0}) + "\n")
