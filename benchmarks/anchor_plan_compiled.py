@@ -73,7 +73,8 @@ def compile_candidate(a: Anchor, layout: Layout) -> dict:
   return {"status": "compiled", "predicted_tokens_per_s_per_gpu": round(
       st["tokens_per_s_per_gpu"], 1), "predicted_mfu": st["mfu"],
       "compiled_peak_gib": rep.memory["peak"] / 2**30,
-      "fits_76gib": rep.memory["peak"] <= PEAK_LIMIT_GIB * 2**30}
+      "fits_76gib": rep.memory["peak"] <= PEAK_LIMIT_GIB * 2**30,
+      "xla_rematerialization": rep.extra.get("xla rematerialization", "")}
 
 
 def run(anchors: list, stored: dict) -> list[dict]:
