@@ -318,9 +318,9 @@ def test_fsdp_moves_the_projection_weights_in_fp8(tmp_path, microbatches, width)
   layer's whole weights at a time. When this test was written XLA kept the forward's gathered
   fp8 copies for the backward (0.25x-0.46x), which holds every layer's whole fp8 weights
   between the passes; by 2026-11-29 it gathered them again (2026-12-01: 2.29 MB of e4m3 at
-  256 wide, one microbatch, against 4.59 MB of bf16, each twice one pass's bytes). The weight gradients leave the fp8 GEMMs
-  in bf16 and are reduce-scattered in bf16: the same bytes as the bf16 step, no float32
-  collective."""
+  256 wide, one microbatch, against 4.59 MB of bf16, each twice one pass's bytes). The weight
+  gradients leave the fp8 GEMMs in bf16 and are reduce-scattered in bf16: the same bytes as the
+  bf16 step, no float32 collective."""
   heads, head_dim, mlp = (8, 32, 2 * width) if width < 1024 else (16, 64, 4 * width)
   # The projection weights' shapes, in any layout XLA gathers them in (dims sorted).
   projections = {(width, mlp), tuple(sorted((width, heads, head_dim)))}
