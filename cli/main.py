@@ -19,7 +19,7 @@ from absl import app, flags as absl_flags
 
 from cli import bug_report, console, flags
 from cli.console import fail
-from trainer.process import host_memory
+from trainer.process import cpu_threads, host_memory
 
 CONFIG = None  # the --config flag, defined in run(): ml-collections reads sys.argv's overrides
 
@@ -151,6 +151,7 @@ def _dispatch(argv: list[str]) -> None:
     refuse_or_report(e)
   import jax
   if flags.CPU_DEVICES.value:  # must precede any JAX backend use
+    cpu_threads.ensure_threads_for(flags.CPU_DEVICES.value)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", flags.CPU_DEVICES.value)
   # After the device set-up: these must not start JAX.

@@ -16,6 +16,8 @@ import os
 
 import pytest
 
+from trainer.process import cpu_threads
+
 GPU_MODE = os.environ.get("MESHTRON_GPU_TESTS", "")
 if GPU_MODE not in ("", "gpu", "rehearse"):
   raise pytest.UsageError(f"MESHTRON_GPU_TESTS={GPU_MODE!r}: expected 'gpu', 'rehearse' or unset")
@@ -33,6 +35,7 @@ if not GPU_MODE:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8"
                              + " --xla_backend_optimization_level=0").strip()
+  cpu_threads.ensure_threads_for(8)  # or a test's collectives can starve (the module says how)
 
 import jax  # noqa: E402  (must follow the environment set-up above)
 

@@ -1,0 +1,24 @@
+"""Enough threads for simulated CPU devices to reach their collectives.
+
+XLA:CPU runs every simulated device's program on one thread pool of the process. By default the
+pool is as large as the machine's core count or the device count, whichever is larger. A
+collective holds its thread while it waits for its peers, and a device's program can have several
+collectives in flight at once. So on a 2-core machine with 8 devices the pool can fill up with
+waiting collectives. Devices 0-3 then wait in a permute and in two all-gathers and all-reduces,
+devices 4-7 get no thread to reach them, and after 40 s XLA aborts the process ("Termination
+timeout ... exceeded"). tests/test_mtp.py::test_depth_two_trains_like_one_device_under_more_layouts
+did this on every run. XLA reads the pool's size from NPROC (xla/pjrt/utils.cc,
+DefaultThreadPoolSize) when the CPU backend starts, so this must run before then. Threads that wait
+cost no CPU time: the fast suite's timings were the same with and without it.
+"""
+
+import os
+
+THREADS_PER_DEVICE = 8  # room for several collectives waiting on every device at once
+
+
+def ensure_threads_for(devices: int, environ=None) -> None:
+  """Sizes XLA:CPU's pool for `devices` simulated devices, unless NPROC is set already."""
+  environ = os.environ if environ is None else environ
+  if not environ.get("NPROC"):
+    environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_DEVICE * devices))
