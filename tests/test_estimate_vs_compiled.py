@@ -16,6 +16,7 @@ activations: `trainer_precision("float32")`) and no workspace allowance.
 
 import dataclasses
 import functools
+import math
 
 import pytest
 
@@ -99,3 +100,65 @@ def test_pipelined_steps_keep_the_executor_stash_not_every_activation(name):
   assert ours.activations < stored.activations  # the two models differ here
   analytic = ours.grads + ours.activations + ours.logits + ours.temporaries
   assert 0.5 <= analytic / stats.temp_size_in_bytes <= 2.0
+
+
+def _stacked_residual_bytes(cfg) -> int:
+  """Bytes of the activations the layer scan's forward stacks for the backward ([layers, ...]
+  buffers written by dynamic-update-slice outside any transpose) in the step compiled for one
+  H100 without a GPU."""
+  import re
+  import tempfile
+
+  from sharding.xla import compiled
+  from trainer.aot import compile_for_gpus
+  with tempfile.NamedTemporaryFile(suffix=".hlo") as f:
+    compile_for_gpus(cfg, compiled.parse_gpu_target("h100x1"), hlo_path=f.name)
+    text = open(f.name).read()
+  sizes = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}
+  total = 0
+  for dtype, dims, op_name in re.findall(
+      r"^\s*%\S*dynamic_update_slice\S* = (\w+)\[([\d,]*)\]\S* fusion\(.*?"
+      r"metadata=\{op_name=\"([^\"]*)\"", text, re.M):
+    if "transpose" not in op_name:
+      total += sizes[dtype] * math.prod(int(d) for d in dims.split(","))
+  return total
+
+
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_a_dropless_moe_layer_keeps_what_the_estimate_counts_per_routed_row_and_expert(remat):
+  """The estimate's dropless MoE activations (sharding/plan/activations.py) against the compiled
+  layer's, on the tiny MoE (D=128, F=192, float32) compiled for one H100. Without remat, one more
+  top-k row per token adds its dispatched input row and int32 index, and its expert's gate and
+  up outputs padded as the grouped matmul pads them: D + 2 x 256 elements and 4 bytes, not the
+  gate/up/product 3F the dense formula counts; eight more experts add the router's float32
+  probabilities and int32 order, 8 bytes each. Selective remat recomputes the rows (the grouped
+  matmul is a kernel, not a dot) and keeps the router's float32 logits, 4 bytes per expert.
+  Both as differences between two compiled programs, so the layers' other residuals cancel;
+  the per-layer expert loads ([experts] float32, not per token) are all that is left, 1/64 of
+  a byte per token here."""
+  from configs import moe
+  from kernels.grouped_matmul import GroupedBlocks, _padding
+  from sharding.layout import Layout
+
+  def program(k, experts):
+    cfg = moe.debug_moe()
+    cfg.batch_size, cfg.seq_len = 1, 256
+    cfg.compute = dataclasses.replace(cfg.compute, remat=remat)
+    cfg.model = dataclasses.replace(cfg.model, moe=dataclasses.replace(
+        cfg.model.moe, experts_per_token=k, num_experts=experts))
+    m, e = estimate.model_spec(cfg.model, cfg.compute), cfg.precision().act_bytes
+    analytic = estimate.layer_activation_bytes(estimate.activation_terms(m, e), 1, cfg.seq_len,
+                                               Layout(), remat)
+    compiled = _stacked_residual_bytes(cfg) / (cfg.model.num_layers * cfg.seq_len)
+    return compiled, analytic, m, e
+
+  assert estimate.GROUPED_PADDING == _padding(GroupedBlocks())
+  base, more_rows, more_experts = program(2, 8), program(4, 8), program(2, 16)
+  m, e = base[2], base[3]
+  assert m.moe.expert_mlp_dim == 192  # padded to 256 in the kernel's operands
+  row = (m.embed_dim + 2 * 256) * e + 4 if remat == "none" else 0
+  expert = 8 if remat == "none" else 4
+  assert more_rows[0] - base[0] == pytest.approx(2 * row, rel=1e-3, abs=1e-3)
+  assert more_rows[1] - base[1] == pytest.approx(2 * row, rel=1e-9, abs=1e-9)
+  assert more_experts[0] - base[0] == pytest.approx(8 * expert, rel=0.01)
+  assert more_experts[1] - base[1] == pytest.approx(8 * expert, rel=1e-9)

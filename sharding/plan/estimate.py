@@ -9,6 +9,8 @@ from typing import Any
 from sharding.pipeline import schedules
 from sharding.layout import Layout
 from sharding.plan import context_parallel
+from sharding.plan.activations import (GROUPED_PADDING, ActivationTerms,  # noqa: F401
+                                       activation_terms, layer_activation_bytes)
 
 GB = 1e9
 # CUDA context, NCCL buffers and allocator fragmentation: "1-2 GB" in the playbook's memory note.
@@ -309,59 +311,6 @@ def state_bytes(shardable: float, replicated: float, layout: Layout, precision: 
     grads = accum * (g + replicated) + pr.grad_bytes * tables / shards(layout)[1]
   optimizer = (pr.master_bytes + 2 * pr.opt_bytes) * (o + replicated)
   return params, grads, optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationTerms:
-  """Bytes stored per token per layer (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4):
-  `replicated` stays whole under TP (split only by SP), `split` is split by TP, `scores` (per unit
-  of sequence length) is the attention-score part that selective recomputation drops."""
-
-  replicated: float
-  split: float
-  scores: float
-  layer_input: float  # the residual stream entering the layer: all that full recomputation keeps
-
-
-def activation_terms(model: ModelSpec, act_bytes: int, formula: str = "llama",
-                     kv_heads: float | None = None) -> ActivationTerms:
-  """`playbook`: GPT blocks with dropout, sbh(34 + 5as/h) at 2 bytes, i.e. 10h + 24h + 5as
-  (scaled by act_bytes/2). `llama`: our blocks (RMSNorm, GQA, SwiGLU, no dropout): norm inputs and
-  outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
-  element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
-  the probabilities, (8 + e) a s (nothing with fused flash attention). `kv_heads`: the K that
-  attention keeps (default the model's; more where Ulysses replicates them)."""
-  m, e = model, act_bytes
-  if formula == "playbook":
-    return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,
-                           5 * m.num_heads * e / 2, m.embed_dim * e)
-  if formula != "llama":
-    raise ValueError(f"activation formula {formula!r} is not one of llama, playbook")
-  ff = 3 * m.mlp_dim
-  if m.moe:  # each token's top-k experts (+ shared), plus the router logits; mean over layers
-    routed = (m.moe.experts_per_token + m.moe.shared_experts) * 3 * m.moe.expert_mlp_dim + \
-        m.moe.num_experts
-    ff = routed * m.moe_share() + ff * (1 - m.moe_share())
-  qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
-  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole per device.
-  latents = 0 if m.mla is None else \
-      2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
-  scores = 0 if m.flash_attention else m.num_heads * (8 + e)
-  return ActivationTerms((4 * m.embed_dim + latents) * e, (qkvo + ff) * e, scores,
-                         m.embed_dim * e)
-
-
-def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
-                           remat: str) -> float:
-  """Stored activations of one layer for `tokens` tokens on one device. none: replicated/(t if
-  SP) + split/t + scores s/t; selective: no scores; full: the layer input (2sbh), / t under SP."""
-  t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
-  if remat == "full":
-    return tokens * terms.layer_input / sp_div
-  per_token = terms.replicated / sp_div + terms.split / t
-  if remat == "none":
-    per_token += terms.scores * seq_len / t
-  return tokens * per_token
 
 
 def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,

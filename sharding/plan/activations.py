@@ -1,0 +1,81 @@
+"""Activations one layer stores for its backward, per token: the formulas of the analytic memory
+estimate (sharding/plan/estimate.memory), by block and remat policy."""
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from sharding.layout import Layout
+
+if TYPE_CHECKING:  # estimate.py imports this module
+  from sharding.plan.estimate import ModelSpec
+
+
+# kernels/grouped_matmul.py pads its operands' feature dims to this multiple (GroupedBlocks's
+# largest block; tests/test_estimate_vs_compiled.py checks the two agree).
+GROUPED_PADDING = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationTerms:
+  """Bytes stored per token per layer (Korthikanti et al. 2022, arXiv:2205.05198, sec. 4):
+  `replicated` stays whole under TP (split only by SP), `split` is split by TP, `scores` (per unit
+  of sequence length) is the attention-score part that selective recomputation drops."""
+
+  replicated: float
+  split: float
+  scores: float
+  layer_input: float  # the residual stream entering the layer: all that full recomputation keeps
+  # The parts of `replicated` and `split` that selective recomputation drops besides the scores:
+  # a dropless MoE's routed rows and router state (its grouped matmul is a kernel, not a dot).
+  unsaved_replicated: float = 0.0
+  unsaved_split: float = 0.0
+
+
+def activation_terms(model: "ModelSpec", act_bytes: int, formula: str = "llama",
+                     kv_heads: float | None = None) -> ActivationTerms:
+  """`playbook`: GPT blocks with dropout, sbh(34 + 5as/h) at 2 bytes, i.e. 10h + 24h + 5as
+  (scaled by act_bytes/2). `llama`: our blocks (RMSNorm, GQA, SwiGLU, no dropout): norm inputs and
+  outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
+  element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
+  the probabilities, (8 + e) a s (nothing with fused flash attention). `kv_heads`: the K that
+  attention keeps (default the model's; more where Ulysses replicates them)."""
+  m, e = model, act_bytes
+  if formula == "playbook":
+    return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,
+                           5 * m.num_heads * e / 2, m.embed_dim * e)
+  if formula != "llama":
+    raise ValueError(f"activation formula {formula!r} is not one of llama, playbook")
+  ff, whole, rows = 3 * m.mlp_dim, 0.0, 0.0
+  if m.moe:  # per token of a MoE layer (means over the layers), as its compiled layer keeps
+    moe, share, f = m.moe, m.moe_share(), m.moe.expert_mlp_dim  # them (tests/test_estimate...)
+    routed = (moe.shared_experts + moe.experts_per_token) * 3 * f + moe.num_experts  # logits
+    if moe.dispatch == "dropless":  # each top-k row: its dispatched input and int32 index
+      # (whole under TP), its expert's gate and up, padded like the grouped matmul's operands
+      # (the product is recomputed); the router: float32 probabilities, int32 expert order.
+      # Selective keeps only the router's float32 logits (a dot) of these.
+      rows = share * moe.experts_per_token * 2 * -(-f // GROUPED_PADDING) * GROUPED_PADDING
+      routed = moe.shared_experts * 3 * f
+      whole = share * (moe.experts_per_token * (m.embed_dim + 4 / e) + moe.num_experts * 8 / e)
+    ff = routed * share + ff * (1 - share) + rows
+  qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
+  # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole per device.
+  latents = 0 if m.mla is None else \
+      2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+  scores = 0 if m.flash_attention else m.num_heads * (8 + e)
+  unsaved = whole - m.moe_share() * m.moe.num_experts * 4 / e if whole else 0.0
+  return ActivationTerms((4 * m.embed_dim + latents + whole) * e, (qkvo + ff) * e, scores,
+                         m.embed_dim * e, unsaved * e, rows * e)
+
+
+def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,
+                           remat: str) -> float:
+  """Stored activations of one layer for `tokens` tokens on one device. none: replicated/(t if
+  SP) + split/t + scores s/t; selective: neither scores nor the unsaved parts; full: the layer
+  input (2sbh), / t under SP."""
+  t, sp_div = layout.tensor, (layout.tensor if layout.sequence_parallel else 1)
+  if remat == "full":
+    return tokens * terms.layer_input / sp_div
+  if remat == "none":
+    return tokens * (terms.replicated / sp_div + terms.split / t + terms.scores * seq_len / t)
+  return tokens * ((terms.replicated - terms.unsaved_replicated) / sp_div
+                   + (terms.split - terms.unsaved_split) / t)
