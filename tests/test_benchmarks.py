@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import peak, plot_sweep, program_hashes, sweep, train_step
+from benchmarks.anchor_breakdown import memory_groups
 from sharding import MeshConfig
 from tests import parallel_harness as harness
 from tests.test_parallel import LAYOUTS
@@ -157,3 +158,28 @@ def test_program_hashes_hashes_the_layout_matrix_programs():
   path = os.path.join(REPO, "benchmarks", "results", "program_hashes.jsonl")
   committed = [json.loads(line)["program"] for line in open(path, encoding="utf-8")]
   assert committed == [*programs, *gpu]
+
+
+def test_the_anchor_breakdown_groups_memory_kernels_by_fusion_pass_and_primitive():
+  """benchmarks/anchor_breakdown.py: memory-bound kernels of the same fusion kind, pass and JAX
+  primitive are summed (numbered clones together), matrix kernels left out, costliest first."""
+  hlo_text = "\n".join([
+      '  %loop_dynamic_update_slice_fusion.3 = f32[2] fusion(%a), metadata={op_name='
+      '"jit(train_step)/while/body/transpose(jvp())/dynamic_update_slice"}',
+      '  %loop_dynamic_update_slice_fusion = f32[2] fusion(%b), metadata={op_name='
+      '"jit(train_step)/while/body/transpose(jvp())/dynamic_update_slice"}',
+      '  %loop_dynamic_update_slice_fusion.1 = f32[2] fusion(%c), metadata={op_name='
+      '"jit(train_step)/while/body/jvp()/dynamic_update_slice"}',
+      '  %gemm_fusion_dot.7 = f32[2] fusion(%d), metadata={op_name="jit(train_step)/dot_general"}'])
+  ops = [{"name": "loop_dynamic_update_slice_fusion.3", "kind": "memory", "count": 4,
+          "total_s": 0.25},
+         {"name": "loop_dynamic_update_slice_fusion", "kind": "memory", "count": 4,
+          "total_s": 0.5},
+         {"name": "loop_dynamic_update_slice_fusion.1", "kind": "memory", "count": 8,
+          "total_s": 0.5},
+         {"name": "gemm_fusion_dot.7", "kind": "gemm", "count": 8, "total_s": 9.0}]
+  assert memory_groups(hlo_text, ops) == [
+      {"fusion": "dynamic_update_slice_fusion", "pass": "backward",
+       "primitive": "dynamic_update_slice", "seconds": 0.75, "launches": 8},
+      {"fusion": "dynamic_update_slice_fusion", "pass": "forward",
+       "primitive": "dynamic_update_slice", "seconds": 0.5, "launches": 8}]

@@ -2,12 +2,8 @@
 estimate (sharding/plan/estimate.memory), by block and remat policy."""
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from sharding.layout import Layout
-
-if TYPE_CHECKING:  # estimate.py imports this module
-  from sharding.plan.estimate import ModelSpec
 
 
 # kernels/grouped_matmul.py pads its operands' feature dims to this multiple (GroupedBlocks's
@@ -31,14 +27,15 @@ class ActivationTerms:
   unsaved_split: float = 0.0
 
 
-def activation_terms(model: "ModelSpec", act_bytes: int, formula: str = "llama",
+def activation_terms(model, act_bytes: int, formula: str = "llama",
                      kv_heads: float | None = None) -> ActivationTerms:
   """`playbook`: GPT blocks with dropout, sbh(34 + 5as/h) at 2 bytes, i.e. 10h + 24h + 5as
   (scaled by act_bytes/2). `llama`: our blocks (RMSNorm, GQA, SwiGLU, no dropout): norm inputs and
   outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
   element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
-  the probabilities, (8 + e) a s (nothing with fused flash attention). `kv_heads`: the K that
-  attention keeps (default the model's; more where Ulysses replicates them)."""
+  the probabilities, (8 + e) a s (nothing with fused flash attention). `model`: an
+  estimate.ModelSpec; `kv_heads`: the K that attention keeps (default the model's; more where
+  Ulysses replicates them)."""
   m, e = model, act_bytes
   if formula == "playbook":
     return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,

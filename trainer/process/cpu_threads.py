@@ -8,13 +8,16 @@ waiting collectives. Devices 0-3 then wait in a permute and in two all-gathers a
 devices 4-7 get no thread to reach them, and after 40 s XLA aborts the process ("Termination
 timeout ... exceeded"). tests/test_mtp.py::test_depth_two_trains_like_one_device_under_more_layouts
 did this on every run. XLA reads the pool's size from NPROC (xla/pjrt/utils.cc,
-DefaultThreadPoolSize) when the CPU backend starts, so this must run before then. Threads that wait
-cost no CPU time: the fast suite's timings were the same with and without it.
+DefaultThreadPoolSize) when the CPU backend starts, so this must run before then.
 """
 
 import os
 
-THREADS_PER_DEVICE = 8  # room for several collectives waiting on every device at once
+# Two collectives waiting on every device and one thread running: the MTP case needed 12 (two
+# waiting on each of 4 devices, one for each of the other 4). More may cost time: with 8 per
+# device, two copies of a pipeline test side by side took 217 s once and 45 s once, against
+# 42 s twice with the default pool.
+THREADS_PER_DEVICE = 3
 
 
 def ensure_threads_for(devices: int, environ=None) -> None:
