@@ -18,6 +18,9 @@ def test_the_pool_is_sized_for_the_devices_unless_nproc_is_set():
   mine = {"NPROC": "12"}
   cpu_threads.ensure_threads_for(8, mine)
   assert mine == {"NPROC": "12"}  # the user's setting wins
+  # A GPU compile's subprocess gets the user's NPROC, not the one set for simulated devices.
+  assert "NPROC" not in cpu_threads.without_ours(environ)
+  assert cpu_threads.without_ours(mine) == {"NPROC": "12"}
 
 
 def test_this_process_runs_its_devices_on_the_larger_pool():

@@ -18,6 +18,7 @@ from sharding.xla import compiled as compiled_report
 from sharding.plan import hardware
 from sharding.xla import presets, step_time
 from trainer.config import TrainConfig, config_from_dict
+from trainer.process import cpu_threads
 
 
 def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
@@ -90,7 +91,8 @@ def compile_for_gpus(cfg: TrainConfig, gpu: compiled_report.GpuTarget, hlo_path:
     with open(request, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "target": dataclasses.asdict(gpu),
                  "hlo_path": hlo_path}, f)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**cpu_threads.without_ours(os.environ), "JAX_PLATFORMS": "cpu",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("XLA_FLAGS", None)  # fake CPU device counts do not belong in a GPU compile
     proc = subprocess.run([sys.executable, "-m", "trainer.aot", request, response],
                           capture_output=True, text=True, env=env, timeout=timeout)
