@@ -21,15 +21,12 @@ import tempfile
 
 from benchmarks.anchor_recipes import ANCHORS, config
 from sharding.plan.profiles import profile_of_device
-from sharding.xla import compiled, step_time
+from sharding.xla import compiled, hlo, step_time
 from trainer.aot import compile_for_gpus
-
-_OP_NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"", re.M)
-
 
 def memory_groups(hlo_text: str, ops: list) -> list:
   """Memory-bound kernels grouped by (fusion kind, pass, JAX primitive), costliest first."""
-  op_names = dict(_OP_NAME.findall(hlo_text))
+  op_names = hlo.op_names(hlo_text)
   seconds, launches = collections.Counter(), collections.Counter()
   for op in ops:
     if op["kind"] != "memory":

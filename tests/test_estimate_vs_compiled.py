@@ -16,7 +16,6 @@ activations: `trainer_precision("float32")`) and no workspace allowance.
 
 import dataclasses
 import functools
-import math
 
 import pytest
 
@@ -106,22 +105,17 @@ def _stacked_residual_bytes(cfg) -> int:
   """Bytes of the activations the layer scan's forward stacks for the backward ([layers, ...]
   buffers written by dynamic-update-slice outside any transpose) in the step compiled for one
   H100 without a GPU."""
-  import re
   import tempfile
 
-  from sharding.xla import compiled
+  from sharding.xla import compiled, hlo
   from trainer.aot import compile_for_gpus
   with tempfile.NamedTemporaryFile(suffix=".hlo") as f:
     compile_for_gpus(cfg, compiled.parse_gpu_target("h100x1"), hlo_path=f.name)
     text = open(f.name).read()
-  sizes = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4}
-  total = 0
-  for dtype, dims, op_name in re.findall(
-      r"^\s*%\S*dynamic_update_slice\S* = (\w+)\[([\d,]*)\]\S* fusion\(.*?"
-      r"metadata=\{op_name=\"([^\"]*)\"", text, re.M):
-    if "transpose" not in op_name:
-      total += sizes[dtype] * math.prod(int(d) for d in dims.split(","))
-  return total
+  op_names = hlo.op_names(text)
+  return sum(hlo.bytes_of(hlo.arrays(ins.type)) for instrs in hlo.computations(text).values()
+             for ins in instrs if ins.op == "fusion" and "dynamic_update_slice" in ins.name
+             and "transpose" not in op_names.get(ins.name, "transpose"))
 
 
 @pytest.mark.parametrize("remat", ["none", "selective"])

@@ -42,7 +42,7 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
                            5 * m.num_heads * e / 2, m.embed_dim * e)
   if formula != "llama":
     raise ValueError(f"activation formula {formula!r} is not one of llama, playbook")
-  ff, whole, rows = 3 * m.mlp_dim, 0.0, 0.0
+  ff, whole, rows, unsaved = 3 * m.mlp_dim, 0.0, 0.0, 0.0
   if m.moe:  # per token of a MoE layer (means over the layers), as its compiled layer keeps
     moe, share, f = m.moe, m.moe_share(), m.moe.expert_mlp_dim  # them (tests/test_estimate...)
     routed = (moe.shared_experts + moe.experts_per_token) * 3 * f + moe.num_experts  # logits
@@ -53,13 +53,13 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
       rows = share * moe.experts_per_token * 2 * -(-f // GROUPED_PADDING) * GROUPED_PADDING
       routed = moe.shared_experts * 3 * f
       whole = share * (moe.experts_per_token * (m.embed_dim + 4 / e) + moe.num_experts * 8 / e)
+      unsaved = whole - share * moe.num_experts * 4 / e
     ff = routed * share + ff * (1 - share) + rows
   qkvo = 2 * m.num_heads * m.head_dim + 2 * (kv_heads or m.num_kv_heads) * m.v_head_dim()
   # MLA: the compressed q and kv (with the rope key) and their norms' outputs, whole per device.
   latents = 0 if m.mla is None else \
       2 * m.mla.q_lora_rank + 2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
-  unsaved = whole - m.moe_share() * m.moe.num_experts * 4 / e if whole else 0.0
   return ActivationTerms((4 * m.embed_dim + latents + whole) * e, (qkvo + ff) * e, scores,
                          m.embed_dim * e, unsaved * e, rows * e)
 
