@@ -128,9 +128,12 @@ def require_slurm() -> None:
     pytest.skip("no SLURM on this machine: .ci/run installs and starts one (.ci/slurm.sh start)")
 
 
-def test_training_under_slurm_srun(tmp_path, single):
+def test_training_under_slurm_srun(tmp_path, request):
   """`srun -N1 -n2`: jax.distributed.initialize() with no arguments finds SLURM's variables."""
   require_slurm()
+  # The one-process reference is asked for only once SLURM answers: where the test skips, its
+  # 30 s run would feed nothing (the other test using it is in `make test-all` only).
+  single = request.getfixturevalue("single")
   result = subprocess.run(
       ["srun", "-N1", "-n2", "--time=10", "--kill-on-bad-exit=1", MESHTRON, *TRAIN,
        f"--workdir={tmp_path}", "--config.steps=3", "--cpu_devices=4"],
