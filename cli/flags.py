@@ -24,10 +24,10 @@ VERB_FLAGS = {
               "num_processes", "process_id"),
     "compile": ("config", "target", "hlo", "timeline", "json", "cpu_devices", "show_config",
                 "overwrite"),
-    "memory": ("model", "layout", "gpu", "seq", "precision", "plot", "json", "config", "gpus",
-               "show_config", "overwrite"),
+    "memory": ("model", "layout", "gpu", "seq", "precision", "activations", "plot", "json",
+               "config", "gpus", "show_config", "overwrite"),
     "plan": ("model", "gpu", "nodes", "gpus_per_node", "gpus", "seq", "global_batch_tokens",
-             "precision", "top_k", "compile_top", "out", "json", "overwrite"),
+             "precision", "activations", "top_k", "compile_top", "out", "json", "overwrite"),
     "convert": ("from", "to", "model_dir", "workdir", "out", "overwrite", "cpu_devices"),
 }
 
@@ -67,6 +67,11 @@ PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook 
                                 " master, Adam fp32), playbook_fp32_accum, playbook_fp8 (its"
                                 " layer GEMMs fp8, as Megatron's FP8 recipes), fp32, or trainer"
                                 " (what trainer/ stores today: fp32 params, grads and moments)")
+ACTIVATIONS = flags.DEFINE_enum(
+    "activations", "llama", ["llama", "compiled"], "memory/plan: the activation formula. llama:"
+    " Korthikanti et al.'s per-layer terms (norm outputs, the SwiGLU product and a float32 copy"
+    " of the logits besides); compiled: what meshtron's GPU programs keep (docs/planning.md,"
+    " Analytic and instant)")
 PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
 GPUS = flags.DEFINE_integer("gpus", None, "plan: number of GPUs (default nodes x gpus_per_node);"
                             " memory --config: devices the mesh fills (default a node)",

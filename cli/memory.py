@@ -57,11 +57,13 @@ def run(config, config_given: bool) -> None:
   """The flags' layout (--model, --layout) or, without --model, the config's (--config)."""
   run_memory(config, config_given, model=flags.MODEL.value, layout=flags.LAYOUT.value,
              gpu=flags.GPU.value, seq=flags.SEQ.value, precision=flags.PRECISION.value,
-             plot=flags.PLOT.value, gpus=flags.GPUS.value, as_json=flags.JSON.value)
+             plot=flags.PLOT.value, gpus=flags.GPUS.value, as_json=flags.JSON.value,
+             activations=flags.ACTIVATIONS.value)
 
 
 def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str, seq: int,
-               precision: str, plot: str, gpus: int, as_json: bool) -> None:
+               precision: str, plot: str, gpus: int, as_json: bool,
+               activations: str = "llama") -> None:
   """The memory breakdown and predicted step of one layout: of a preset `model` under `layout`,
   or of the TrainConfig `config` on `gpus` devices (default a node)."""
   hw = hardware.load_profile(gpu)
@@ -83,11 +85,11 @@ def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str,
   errors = planner.divisibility_errors(spec, lay, seq)
   if errors:
     raise ValueError(f"layout {lay.string()}: {'; '.join(errors)}")
-  cand = planner.evaluate(spec, lay, seq, chosen, hw)
+  cand = planner.evaluate(spec, lay, seq, chosen, hw, formula=activations)
   extra = {}
   if not model:  # the config's optimizer and fp8 state (sharding/plan/optimizer_cost.py)
     mem = optimizer_cost.run_memory(spec, lay, seq, chosen, optimizer=config.optim.name,
-                                    fp8=config.compute.fp8)
+                                    fp8=config.compute.fp8, formula=activations)
     cand = dataclasses.replace(cand, memory=mem, fits=mem.total <= hw.memory_bytes)
     if config.optim.name == "muon":
       cost = optimizer_cost.muon_newton_schulz(spec, lay, config.optim.muon_ns_steps)

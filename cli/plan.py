@@ -18,12 +18,12 @@ def run() -> None:
            nodes=flags.NODES.value, gpus_per_node=flags.GPUS_PER_NODE.value, seq=flags.SEQ.value,
            global_batch_tokens=flags.BATCH.value, precision=flags.PRECISION.value,
            top_k=flags.TOP.value, out=flags.OUT.value, as_json=flags.JSON.value,
-           compile_top=flags.COMPILE_TOP.value)
+           compile_top=flags.COMPILE_TOP.value, activations=flags.ACTIVATIONS.value)
 
 
 def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int, seq: int,
              global_batch_tokens: str, precision: str, top_k: int, out: str,
-             as_json: bool, compile_top: int = 0) -> None:
+             as_json: bool, compile_top: int = 0, activations: str = "llama") -> None:
   """The ranked layouts of a preset `model` on a cluster, and a config file for the best; with
   `compile_top` the best that many compiled and ranked again (cli/plan_compile.py)."""
   start = time.perf_counter()
@@ -43,7 +43,7 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
     if preset_module(model) is None:
       raise ValueError(f"--compile_top compiles trainer presets; {model} is the estimator's"
                        " own model (use a preset: `meshtron compile --help` lists them)")
-  result = planner.plan(spec, gpus, seq, tokens, chosen, hw)
+  result = planner.plan(spec, gpus, seq, tokens, chosen, hw, formula=activations)
   best = result.ranked[:top_k]
   if not as_json:
     print(f"{model} ({spec.num_params() / 1e9:.2f}B) on {gpus} x {hardware.gpu_summary(hw)};"

@@ -101,16 +101,16 @@ def test_pipelined_steps_keep_the_executor_stash_not_every_activation(name):
   assert 0.5 <= analytic / stats.temp_size_in_bytes <= 2.0
 
 
-def _stacked_residual_bytes(cfg) -> int:
+def _stacked_residual_bytes(cfg, target: str = "h100x1") -> int:
   """Bytes of the activations the layer scan's forward stacks for the backward ([layers, ...]
-  buffers written by dynamic-update-slice outside any transpose) in the step compiled for one
-  H100 without a GPU."""
+  buffers written by dynamic-update-slice outside any transpose) in the step compiled for
+  `target` without a GPU, per device."""
   import tempfile
 
   from sharding.xla import compiled, hlo
   from trainer.aot import compile_for_gpus
   with tempfile.NamedTemporaryFile(suffix=".hlo") as f:
-    compile_for_gpus(cfg, compiled.parse_gpu_target("h100x1"), hlo_path=f.name)
+    compile_for_gpus(cfg, compiled.parse_gpu_target(target), hlo_path=f.name)
     text = open(f.name).read()
   op_names = hlo.op_names(text)
   return sum(hlo.bytes_of(hlo.arrays(ins.type)) for instrs in hlo.computations(text).values()

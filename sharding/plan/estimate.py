@@ -324,7 +324,7 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
                                          counts.experts, counts.tables)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
-  terms = activation_terms(m, precision.act_bytes, formula, kv_heads)
+  terms = activation_terms(m, precision.act_bytes, formula, kv_heads, precision.fp8_layers)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   remat = lay.stage_remat(m.num_layers, stages_recompute)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, remat)
@@ -338,8 +338,11 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
-  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor).
-  logits = tokens * m.vocab_size / lay.tensor * (precision.act_bytes + 8) * (head + m.mtp_depth)
+  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor);
+  # the compiled step fuses the float32 softmax into the loss and its gradient, keeping the
+  # logits and their gradient in the compute dtype (tests/test_estimate_vs_compiled.py).
+  per_logit = 2 * precision.act_bytes if formula == "compiled" else precision.act_bytes + 8
+  logits = tokens * m.vocab_size / lay.tensor * per_logit * (head + m.mtp_depth)
   temporaries = workspace_bytes
   if remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \

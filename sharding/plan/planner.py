@@ -93,10 +93,11 @@ def divisors(n: int) -> list[int]:
 
 def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision: Precision,
          hw: hardware.HardwareProfile, *, max_mbs: int = 64, max_cp: int = 16,
-         order: tuple = AXES) -> Plan:
+         order: tuple = AXES, formula: str = "llama") -> Plan:
   """The playbook's step by step over every combination: (1) a model replica must fit (tensor
   within a node, then pipeline across nodes, ZeRO stage, recomputation); (2) data parallelism and
-  accumulation reach the global batch; (3) the fitting layouts are ranked by predicted tokens/s."""
+  accumulation reach the global batch; (3) the fitting layouts are ranked by predicted tokens/s.
+  `formula`: the activation formula the fit is judged by (estimate.memory)."""
   m = model_spec(model)
   if global_batch_tokens % seq_len:
     raise ValueError(f"global batch {global_batch_tokens} tokens is not a multiple of seq"
@@ -148,7 +149,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                 if lay.sequence_parallel and seq_len % (
                     context_parallel.sequence_chunks(here, context) * tensor):
                   continue
-                mem = memory(here, lay, seq_len, precision)
+                mem = memory(here, lay, seq_len, precision, formula=formula)
                 if mem.total > hw.memory_bytes:
                   rejected.append((lay.string(), _too_big(mem, hw)))
                   continue
