@@ -34,14 +34,16 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   outputs 4h whole; q and attention output 2h, k and v 2 K Dh, gate/up/product 3F split; per score
   element the reference attention keeps fp32 scores and probabilities and a compute-dtype copy of
   the probabilities, (8 + e) a s (nothing with fused flash attention). `compiled`: what
-  meshtron's step compiled for GPUs keeps (tests/test_estimate_vs_compiled.py measures it): XLA
+  meshtron's step compiled for GPUs keeps (tests/test_activation_formula.py measures it): XLA
   fuses the norms and the SwiGLU product into their consumers, so a layer keeps two residual-
   stream tensors whole (its input and the attention's residual sum; under selective remat the
   input and the output projection's dot), q, k, v, the attention output and gate/up split
   (selective: not the attention output, which the flash kernel recomputes), and the flash
   kernel's float32 log-sum-exp per head; with `fp8_layers` also each dense GEMM input quantized
   twice (1 byte, as is and transposed for the weight gradient): the two norms' outputs, the
-  attention output and the SwiGLU product, which selective remat recomputes. `model`: an
+  attention output and the SwiGLU product, which selective remat recomputes. Measured on dense
+  layers (one device; tensor=2 with and without SP), not: the fp8 copies under SP, the routed
+  experts' fp8 inputs, a dropping MoE's routed terms (the `llama` ones, with 3f). `model`: an
   estimate.ModelSpec; `kv_heads`: the K that attention keeps (default the model's; more where
   Ulysses replicates them)."""
   m, e = model, act_bytes
