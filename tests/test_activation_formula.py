@@ -10,7 +10,7 @@ import pytest
 
 from sharding import MeshConfig
 from sharding.plan import estimate
-from tests.test_estimate_vs_compiled import _stacked_residual_bytes
+from tests.test_estimate_vs_compiled import stacked_residual_bytes
 from tests.test_planner import meshtron
 
 
@@ -55,7 +55,7 @@ def test_a_dense_layer_keeps_what_the_compiled_formula_counts(name):
     return estimate.layer_activation_bytes(terms, 1, cfg.seq_len, cfg.layout(tensor), remat)
   assert analytic("compiled") == pytest.approx(expected, rel=1e-9)
   assert abs(analytic("llama") / expected - 1) > 0.05  # the two formulas really differ here
-  compiled = _stacked_residual_bytes(cfg, f"h100x{tensor}") / (2 * cfg.seq_len)
+  compiled = stacked_residual_bytes(cfg, f"h100x{tensor}") / (2 * cfg.seq_len)
   # fp8 also stacks its per-layer scales: under 0.2 bytes a token.
   assert compiled == pytest.approx(expected, abs=0.2)
 

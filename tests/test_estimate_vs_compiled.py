@@ -101,7 +101,7 @@ def test_pipelined_steps_keep_the_executor_stash_not_every_activation(name):
   assert 0.5 <= analytic / stats.temp_size_in_bytes <= 2.0
 
 
-def _stacked_residual_bytes(cfg, target: str = "h100x1") -> int:
+def stacked_residual_bytes(cfg, target: str = "h100x1") -> int:
   """Bytes of the activations the layer scan's forward stacks for the backward ([layers, ...]
   buffers written by dynamic-update-slice outside any transpose) in the step compiled for
   `target` without a GPU, per device."""
@@ -143,7 +143,7 @@ def test_a_dropless_moe_layer_keeps_what_the_estimate_counts_per_routed_row_and_
     m, e = estimate.model_spec(cfg.model, cfg.compute), cfg.precision().act_bytes
     analytic = estimate.layer_activation_bytes(estimate.activation_terms(m, e), 1, cfg.seq_len,
                                                Layout(), remat)
-    compiled = _stacked_residual_bytes(cfg) / (cfg.model.num_layers * cfg.seq_len)
+    compiled = stacked_residual_bytes(cfg) / (cfg.model.num_layers * cfg.seq_len)
     return compiled, analytic, m, e
 
   blocks = GroupedBlocks()  # its operands' feature dims are padded to the larger block
