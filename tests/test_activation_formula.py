@@ -4,7 +4,6 @@ bound, every compiled anchor's peak within a stated band, and `meshtron memory -
 
 import dataclasses
 import json
-import os
 
 import pytest
 
@@ -12,6 +11,7 @@ from sharding import MeshConfig
 from sharding.plan import estimate
 from tests.test_estimate_vs_compiled import stacked_residual_bytes
 from tests.test_planner import meshtron
+from tests.test_readme_figures import results
 
 
 # The tiny Llama (D=128, 4 heads of 32, 2 KV heads, F=384, bf16) per token and layer, by hand:
@@ -31,8 +31,8 @@ DENSE_LAYER_CASES = {  # name: (tensor, sequence_parallel, remat, fp8, bytes per
 
 @pytest.mark.parametrize("name", DENSE_LAYER_CASES)
 def test_a_dense_layer_keeps_what_the_compiled_formula_counts(name):
-  """The `compiled` activation formula (sharding/plan/activations.py, what `meshtron plan` and
-  `meshtron memory` use) against the residuals the layer scan stacks in the step compiled for
+  """The `compiled` activation formula (sharding/plan/activations.py; `meshtron plan` and
+  `meshtron memory` with --activations=compiled) against the residuals the layer scan stacks in the step compiled for
   H100s: equal to the byte. The `llama` formula (Korthikanti et al.'s terms: norm outputs and
   the SwiGLU product besides, no fp8 copies) counts 4096 bytes where `none` keeps 2832 and fp8
   4368."""
@@ -97,9 +97,8 @@ def test_the_compiled_formula_tracks_every_anchor_programs_peak():
   from benchmarks.anchor_recipes import ANCHORS, config
   from sharding.xla import compiled
 
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
-                      "step_time_anchors.jsonl")
-  rows = {r["anchor"]: r for r in map(json.loads, open(path)) if r.get("status") == "compiled"}
+  rows = {r["anchor"]: r for r in results("step_time_anchors.jsonl")
+          if r.get("status") == "compiled"}
   ratios = {}
   for a in ANCHORS:
     if a.name not in rows:

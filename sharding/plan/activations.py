@@ -25,6 +25,10 @@ class ActivationTerms:
   # a dropless MoE's routed rows and router state (its grouped matmul is a kernel, not a dot).
   unsaved_replicated: float = 0.0
   unsaved_split: float = 0.0
+  # Bytes per logit (vocab entry of a token), each formula's: the compute-dtype logits with a
+  # float32 copy and gradient; the compiled step fuses the float32 softmax and keeps the logits
+  # and their gradient.
+  logit: float = 0.0
 
 
 def activation_terms(model, act_bytes: int, formula: str = "llama",
@@ -49,7 +53,7 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   m, e = model, act_bytes
   if formula == "playbook":
     return ActivationTerms(10 * m.embed_dim * e / 2, 24 * m.embed_dim * e / 2,
-                           5 * m.num_heads * e / 2, m.embed_dim * e)
+                           5 * m.num_heads * e / 2, m.embed_dim * e, logit=e + 8)
   if formula not in ("llama", "compiled"):
     raise ValueError(f"activation formula {formula!r} is not one of llama, compiled, playbook")
   compiled = formula == "compiled"
@@ -76,7 +80,7 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   scores = 0 if m.flash_attention else m.num_heads * (8 + e)
   if not compiled:
     return ActivationTerms((4 * m.embed_dim + latents + whole) * e, (qkvo + ff) * e, scores,
-                           m.embed_dim * e, unsaved * e, rows * e)
+                           m.embed_dim * e, unsaved * e, rows * e, logit=e + 8)
   lse = 4 * m.num_heads if m.flash_attention else 0  # bytes: float32, per head
   attention_out = m.num_heads * m.v_head_dim() * e + lse  # what selective recomputes
   # fp8: two 1-byte copies of each dense GEMM input (bytes, like lse); selective recomputes them.
@@ -84,7 +88,8 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   fp8_split = 2 * (m.num_heads * m.v_head_dim() + dense_f) if fp8_layers else 0
   return ActivationTerms((2 * m.embed_dim + latents + whole) * e + fp8_whole,
                          (qkvo + ff) * e + lse + fp8_split, scores, m.embed_dim * e,
-                         unsaved * e + fp8_whole, rows * e + attention_out + fp8_split)
+                         unsaved * e + fp8_whole, rows * e + attention_out + fp8_split,
+                         logit=2 * e)
 
 
 def layer_activation_bytes(terms: ActivationTerms, tokens: float, seq_len: int, layout: Layout,

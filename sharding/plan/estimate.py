@@ -338,11 +338,8 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   # Each multi-token prediction module stores about a layer's activations and its logits for one
   # microbatch (stages: the last runs them, each backward just after its recomputed forward).
   activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
-  # Logits in the compute dtype, their fp32 copy and fp32 gradient (vocab split over tensor);
-  # the compiled step fuses the float32 softmax into the loss and its gradient, keeping the
-  # logits and their gradient in the compute dtype (tests/test_estimate_vs_compiled.py).
-  per_logit = 2 * precision.act_bytes if formula == "compiled" else precision.act_bytes + 8
-  logits = tokens * m.vocab_size / lay.tensor * per_logit * (head + m.mtp_depth)
+  # The logits' buffers, by the formula (ActivationTerms.logit), the vocab split over tensor.
+  logits = tokens * m.vocab_size / lay.tensor * terms.logit * (head + m.mtp_depth)
   temporaries = workspace_bytes
   if remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \
