@@ -10,6 +10,7 @@ import socket
 import jax
 
 from trainer.config import DistributedConfig
+from trainer.process import stderr_filter
 from trainer.process.join_watch import JoinWatch, end
 
 _watch: JoinWatch | None = None  # this process's roll call and peer links, when multi-process
@@ -93,6 +94,7 @@ def initialize(cfg: DistributedConfig, coordinator: str = "", num_processes: int
   expected = num_processes or os.environ.get("SLURM_NTASKS") or os.environ.get(
       "OMPI_COMM_WORLD_SIZE") or "?"
   global _watch
+  stderr_filter.start()  # a lost peer is then told once, by _watch's line
   _watch = JoinWatch(coordinator or resolved or "", "?" if rank is None else rank, expected,
                      cfg.initialization_timeout_s,
                      silence_s=0.75 * cfg.heartbeat_timeout_s, probe_s=cfg.coordinator_probe_s,

@@ -28,6 +28,8 @@ import threading
 import time
 
 BEAT, BYE = b".", b"!"
+# Every line that tells a lost peer says this (trainer.process.stderr_filter looks for it).
+LOSS_TOLD = "the run cannot go on without it"
 _ending = threading.Lock()
 
 
@@ -171,8 +173,8 @@ class JoinWatch:
   def _loss(self, peer: int, what: str) -> str:
     who = (f"process 0 (the coordinator, {self.coordinator})" if peer == 0
            else f"process {peer} of {self.expected}")
-    return (f"{who} {what}; this is process {self.process_id}, ending too: the run cannot go on"
-            " without it. Find why in that process's log, then rerun the same command on every"
+    return (f"{who} {what}; this is process {self.process_id}, ending too: {LOSS_TOLD}."
+            " Find why in that process's log, then rerun the same command on every"
             " host: it resumes from the last checkpoint")
 
   def message(self) -> str:
