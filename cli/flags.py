@@ -68,10 +68,10 @@ PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook 
                                 " layer GEMMs fp8, as Megatron's FP8 recipes), fp32, or trainer"
                                 " (what trainer/ stores today: fp32 params, grads and moments)")
 ACTIVATIONS = flags.DEFINE_enum(
-    "activations", "llama", ["llama", "compiled"], "memory/plan: the activation formula. llama:"
-    " Korthikanti et al.'s per-layer terms (norm outputs, the SwiGLU product and a float32 copy"
-    " of the logits besides); compiled: what meshtron's GPU programs keep (docs/planning.md,"
-    " Analytic and instant)")
+    "activations", "compiled", ["compiled", "llama"], "memory/plan: the activation formula."
+    " compiled: what meshtron's GPU programs keep (docs/planning.md, Analytic and instant);"
+    " llama: Korthikanti et al.'s per-layer terms (norm outputs, the SwiGLU product and a"
+    " float32 copy of the logits besides)")
 PLOT = flags.DEFINE_string("plot", "", "memory: write a stacked bar chart of the breakdown here")
 GPUS = flags.DEFINE_integer("gpus", None, "plan: number of GPUs (default nodes x gpus_per_node);"
                             " memory --config: devices the mesh fills (default a node)",

@@ -63,7 +63,7 @@ def run(config, config_given: bool) -> None:
 
 def run_memory(config, config_given: bool, *, model: str, layout: str, gpu: str, seq: int,
                precision: str, plot: str, gpus: int, as_json: bool,
-               activations: str = "llama") -> None:
+               activations: str = planner.PLANNER_FORMULA) -> None:
   """The memory breakdown and predicted step of one layout: of a preset `model` under `layout`,
   or of the TrainConfig `config` on `gpus` devices (default a node)."""
   hw = hardware.load_profile(gpu)
