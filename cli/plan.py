@@ -23,7 +23,8 @@ def run() -> None:
 
 def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int, seq: int,
              global_batch_tokens: str, precision: str, top_k: int, out: str,
-             as_json: bool, compile_top: int = 0, activations: str = planner.PLANNER_FORMULA) -> None:
+             as_json: bool, compile_top: int = 0,
+             activations: str = planner.PLANNER_FORMULA) -> None:
   """The ranked layouts of a preset `model` on a cluster, and a config file for the best; with
   `compile_top` the best that many compiled and ranked again (cli/plan_compile.py)."""
   start = time.perf_counter()

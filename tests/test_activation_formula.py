@@ -33,9 +33,9 @@ DENSE_LAYER_CASES = {  # name: (tensor, sequence_parallel, remat, fp8, bytes per
 def test_a_dense_layer_keeps_what_the_compiled_formula_counts(name):
   """The `compiled` activation formula (sharding/plan/activations.py; `meshtron plan` and
   `meshtron memory` by default) against the residuals the layer scan stacks in the step
-  compiled for H100s: equal to the byte. The `llama` formula (Korthikanti et al.'s terms: norm outputs and
-  the SwiGLU product besides, no fp8 copies) counts 4096 bytes where `none` keeps 2832 and fp8
-  4368."""
+  compiled for H100s: equal to the byte. The `llama` formula (Korthikanti et al.'s terms: norm
+  outputs and the SwiGLU product besides, no fp8 copies) counts 4096 bytes where `none` keeps
+  2832 and fp8 4368."""
   from configs import llama
   from models.fp8.config import Fp8Config
 

@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from sharding.layout import Layout
+from configs.llama import MODELS
+from sharding.layout import Layout, parse
 from sharding.pipeline import schedules
 from sharding.pipeline.schedules import bubble_ratio
-from sharding.plan import hardware
+from sharding.plan import hardware, planner
 from sharding.plan.estimate import PLAYBOOK_MIXED
 from tests.test_estimate import SEQ, SMALL
 
@@ -119,3 +120,18 @@ def test_the_last_stage_runs_the_multi_token_prediction_module_on_all_its_tokens
   staged = Layout(pipeline=2, microbatches=4)
   assert hardware.flops_split(mtp, staged, SEQ, forward_only=True) == \
       hardware.flops_split(SMALL, staged, SEQ, forward_only=True)
+
+
+def test_plan_ranks_no_pipeline_schedule_the_executor_refuses():
+  """1F1B needs at least as many microbatches as stages (sharding/pipeline/schedules.py): a
+  layout with fewer is rejected with the executor's own sentence, not ranked (the 405B's plan
+  on 128 GPUs had ranked pipeline=2 with one microbatch 3rd, a layout its config refuses)."""
+  result = planner.plan(MODELS["playbook_8b"], 16, 4096, 2**16, PLAYBOOK_MIXED,
+                        hardware.PROFILES["h100"])
+  piped = [c.layout for c in result.ranked if c.layout.pipeline > 1]
+  assert piped and all(
+      schedules.table_if_valid(lay.pipeline_schedule, lay.pipeline, lay.microbatches,
+                               lay.virtual_stages) is not None for lay in piped)
+  refused = [(what, why) for what, why in result.rejected
+             if "needs at least as many microbatches as stages" in why]
+  assert refused and all(parse(what).microbatches < parse(what).pipeline for what, _ in refused)

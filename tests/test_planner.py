@@ -14,7 +14,6 @@ from configs.llama import MODELS
 from sharding.plan import estimate, hardware, planner
 from sharding.layout import Layout, parse
 from sharding.mesh import LayoutError
-from sharding.pipeline import schedules
 from sharding.plan.estimate import PLAYBOOK_MIXED
 from tests import docs_text
 
@@ -80,20 +79,6 @@ def test_plan_ranks_fitting_layouts_and_explains_every_rejection():
   # A layout that does not fit is never ranked, and every considered one is accounted for.
   fits = {c.layout.string() for c in result.ranked}
   assert not fits & {what for what, _ in result.rejected}
-
-
-def test_plan_ranks_no_pipeline_schedule_the_executor_refuses():
-  """1F1B needs at least as many microbatches as stages (sharding/pipeline/schedules.py): a
-  layout with fewer is rejected with the executor's own sentence, not ranked (the 405B's plan
-  on 128 GPUs had ranked pipeline=2 with one microbatch 3rd, a layout its config refuses)."""
-  result = planner.plan(MODELS["playbook_8b"], 16, 4096, 2**16, PLAYBOOK_MIXED, H100)
-  piped = [c.layout for c in result.ranked if c.layout.pipeline > 1]
-  assert piped and all(
-      schedules.table_if_valid(lay.pipeline_schedule, lay.pipeline, lay.microbatches,
-                               lay.virtual_stages) is not None for lay in piped)
-  refused = [(what, why) for what, why in result.rejected
-             if "needs at least as many microbatches as stages" in why]
-  assert refused and all(parse(what).microbatches < parse(what).pipeline for what, _ in refused)
 
 
 def test_plan_of_a_moe_uses_expert_parallelism():

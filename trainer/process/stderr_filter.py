@@ -29,8 +29,9 @@ from trainer.process.join_watch import LOSS_TOLD
 
 HOLD_S = 5.0
 # The coordination agent's lines about a task (or the service) it lost: the error poller's,
-# the heartbeat's, the preemption barrier's, the client's fatal "Terminating process" (it exits at once, so it may be
-# the last line), and gRPC's wording of the closed connection they quote on lines of their own.
+# the heartbeat's, the preemption barrier's, the client's fatal "Terminating process" (it exits
+# at once, so it may be the last line), and gRPC's wording of the closed connection they quote
+# on lines of their own.
 PEER_LOSS = re.compile(rb"coordination_service_agent\.cc|coordination_service\.cc"
                        rb"|preemption_sync_manager\.cc|CoordinationServiceError"
                        rb"|JAX distributed service detected fatal errors|Failed to send RPC"
