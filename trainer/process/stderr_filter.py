@@ -37,6 +37,7 @@ PEER_LOSS = re.compile(rb"coordination_service_agent\.cc|coordination_service\.c
                        rb"|JAX distributed service detected fatal errors|Failed to send RPC"
                        rb"|Additional GRPC error information|Error received from peer"
                        rb"|Socket closed|Polled an error|Connection reset by peer")
+MESHTRON_ERROR, LOSS_WORDS = b"meshtron: error: ", LOSS_TOLD.encode()  # meshtron's loss line
 
 
 def start() -> None:
@@ -46,7 +47,7 @@ def start() -> None:
     return
   read_end, write_end = os.pipe()
   subprocess.Popen([sys.executable, "-m", __name__], stdin=read_end, stdout=2, stderr=2,
-                   close_fds=True, start_new_session=False)
+                   close_fds=True)
   os.close(read_end)
   sys.stderr.flush()
   os.dup2(write_end, 2)
@@ -60,7 +61,7 @@ class Filter:
     self.write, self.held, self.told = write, [], False
 
   def feed(self, line: bytes, now: float) -> None:
-    if line.startswith(b"meshtron: error: ") and LOSS_TOLD.encode() in line:
+    if line.startswith(MESHTRON_ERROR) and LOSS_WORDS in line:
       self.held, self.told = [], True
       self.write(line)
     elif PEER_LOSS.search(line):
