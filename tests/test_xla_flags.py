@@ -46,6 +46,36 @@ def test_presets_are_versioned_and_auto_pipelines_only_data_and_fsdp_meshes():
   for axis in ("tensor", "context", "expert", "pipeline"):
     assert presets.resolve("auto", {**sizes, axis: 2}) == "scheduler_v1"
   assert presets.resolve("overlap_v1", {**sizes, "tensor": 2}) == "overlap_v1"  # as asked
+  assert presets.resolve("auto", sizes, microbatches=2) == "scheduler_v1"
+  assert compiler_options(tiny(microbatches=4), SIZES) == presets.compiler_options(
+      "scheduler_v1")  # the train step's options follow its microbatches
+
+
+def _entry(text: str) -> str:
+  entry = text[text.index("\nENTRY"):]
+  return entry[:entry.index("\n}\n")]
+
+
+def test_auto_keeps_the_microbatch_loop_whole_where_loop_pipelining_peels_it(tmp_path):
+  """With gradient accumulation, overlap_v1's collective pipeliner peels one microbatch out of
+  the microbatch loop (it gathers the tables) and the step holds two microbatches' residual
+  stacks; `auto` runs the loop whole (sharding/xla/presets.py). 4 layers, fsdp=8, h100x8."""
+  programs = {}
+  for preset in ("overlap_v1", "auto"):
+    cfg = tiny(xla_preset=preset, microbatches=4, batch_size=64)
+    cfg.model.num_layers = 4
+    hlo = str(tmp_path / f"{preset}.hlo")
+    rep = compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo)
+    with open(hlo) as f:
+      programs[preset] = rep, f.read()
+  (pipelined, pipelined_text), (auto, auto_text) = programs["overlap_v1"], programs["auto"]
+  assert pipelined.extra["xla options"] == "preset overlap_v1 (overlap_v1)"
+  assert auto.extra["xla options"] == "preset auto (scheduler_v1)"
+  # The microbatch loop and its two layer scans; peeled: one more microbatch's scans in the
+  # entry computation beside the loop.
+  assert _entry(auto_text).count(" while(") == 1 and auto_text.count(" while(") == 3
+  assert _entry(pipelined_text).count(" while(") == 3 and pipelined_text.count(" while(") == 5
+  assert auto.memory["peak"] < 0.7 * pipelined.memory["peak"]
 
 
 @pytest.mark.parametrize("options, culprit, why", [

@@ -40,6 +40,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
   if local:
     rep.memory_limit_bytes = device_memory_bytes
   tokens = cfg.batch_size * cfg.seq_len
+  resolved = presets.resolve(cfg.xla_preset, dict(trainer.mesh.shape), cfg.microbatches)
   rep.extra = {
       "model": f"{cfg.model.num_params() / 1e9:.3f}B parameters, {cfg.model.num_layers} layers",
       "mesh": ", ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1) or "1 device",
@@ -49,8 +50,7 @@ def compile_locally(cfg: TrainConfig, target: str = "local", devices=None,
                 f" remat={cfg.compute.remat}",
       "tokens per step": tokens,
       **_stages(trainer.layout, cfg.model.num_layers),
-      "xla options": f"preset {cfg.xla_preset}"
-                     f" ({presets.resolve(cfg.xla_preset, dict(trainer.mesh.shape))})"
+      "xla options": f"preset {cfg.xla_preset} ({resolved})"
                      + (f" + {cfg.xla_options}" if cfg.xla_options else ""),
       "model FLOPs per device per step (6N + attention)":
           f"{cfg.model.flops_per_token(cfg.seq_len) * tokens / len(devices):.4g}",

@@ -285,9 +285,9 @@ def parse_xla_options(text: str) -> dict:
 
 def compiler_options(cfg: TrainConfig, mesh_sizes: dict[str, int]) -> dict:
   """The XLA options of the train step on a mesh of these sizes: the preset's (`auto` depends on
-  the mesh), overridden by explicit xla_options."""
+  the mesh and the microbatches), overridden by explicit xla_options."""
   return presets.compiler_options(cfg.xla_preset, parse_xla_options(cfg.xla_options),
-                                    mesh_sizes)
+                                    mesh_sizes, cfg.microbatches)
 
 
 def config_from_dict(cls, values: dict):
