@@ -41,11 +41,12 @@ MODELS = {
 
 def parse_layout(text: str) -> dict:
   """"fsdp=4,tp=2,sp=1" -> {"fsdp": 4, "tensor": 2, "sequence_parallel": True}: the mesh config
-  fields that differ from one device (sharding.layout.parse: mesh names or the dp/tp/... aliases,
-  one-line errors); "" -> {}."""
+  fields that differ from one device (sharding.layout_text.parse: mesh names or the dp/tp/...
+  aliases, one-line errors); "" -> {}."""
   import sharding.layout
+  import sharding.layout_text
   from sharding.mesh import MeshConfig
-  layout, default = sharding.layout.parse(text), sharding.layout.Layout()
+  layout, default = sharding.layout_text.parse(text), sharding.layout.Layout()
   fields = {f.name for f in dataclasses.fields(MeshConfig)}
   return {k: v for k, v in dataclasses.asdict(layout).items()
           if k in fields and v != getattr(default, k)}

@@ -6,7 +6,7 @@ import json
 
 from cli import flags
 from cli.presets import model_by_name, precision_by_name
-from sharding import layout as layouts
+from sharding import layout_text as layouts
 from sharding.plan import estimate, hardware, optimizer_cost, planner
 
 

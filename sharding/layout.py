@@ -18,9 +18,8 @@ import math
 
 from jax.sharding import AxisType, Mesh
 
-from sharding.context_parallel import CONTEXT_IMPLS
-from sharding.mesh import AXES, BATCH_AXES, LayoutError, MeshConfig
-from sharding.pipeline import schedules, stage_split
+from sharding.mesh import AXES, BATCH_AXES, MeshConfig
+from sharding.pipeline import stage_split
 from sharding.rules import (DEFAULT_RULES, Rules, layout_rules, lookup_moves_rows,
                             parse_overrides, split_vocab_over_fsdp, with_overrides)
 from sharding.scope import active, use_rules
@@ -89,6 +88,7 @@ class Layout:
   # data-parallel replicas' vmap of gradient accumulation (trainer/step.py).
   in_pipeline_stage: bool = False
   in_replica_vmap: bool = False
+  in_expert_loop: bool = False  # the microbatch loop's shard_map over `loop_expert_axes`
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in AXES}
@@ -244,6 +244,39 @@ class Layout:
       return ()
     return tuple(a for a in self.axes("experts") if a in self.axes("batch"))
 
+  @property
+  def loop_expert_axes(self) -> tuple[str, ...]:
+    """The same for the step without stages: its microbatch loop runs under a shard_map manual
+    over them and the gradient replicas' axes (`loop_axes`, sharding/expert_loop.py), each
+    device keeping whole sums of the shared weights' gradients, reduced once a step. Automatic,
+    XLA reduce-scattered every microbatch's gradients into ZeRO-1's parts (Qwen3-30B-A3B EP16:
+    174 GiB a step). Only where no other axis splits (fsdp, tensor, context): each device then
+    runs the model on its own values as one device does, the experts' exchange excepted. ()
+    for one microbatch, a dense model, and where `stage_expert_axes` would be."""
+    if self.pipeline > 1 or self.microbatches == 1 or not self.num_experts or \
+        self.zero_stage >= 2 or self.moe_dispatch == "dropping" or \
+        self.fsdp * self.tensor * self.context > 1:
+      return ()
+    return tuple(a for a in self.axes("experts") if a in self.axes("batch"))
+
+  @property
+  def loop_axes(self) -> tuple[str, ...]:
+    """The axes the expert loop's shard_map is manual over: the replicas' and the experts'."""
+    expert = self.loop_expert_axes
+    return (*self.gradient_replica_axes[0], *expert) if expert else ()
+
+  @property
+  def vmapped_replicas(self) -> tuple[tuple[str, ...], int]:
+    """The gradient replicas the step's vmap splits the rows over: `gradient_replica_axes`,
+    but one inside the expert loop, whose region takes those axes."""
+    return ((), 1) if self.loop_expert_axes else self.gradient_replica_axes
+
+  @property
+  def region_expert_axes(self) -> tuple[str, ...]:
+    """The expert axes the model's region is manual over (`in_train_step`); () outside one."""
+    return (self.stage_expert_axes if self.in_pipeline_stage else
+            self.loop_expert_axes if self.in_expert_loop else ())
+
   def stage_mesh(self):
     """The abstract mesh inside a pipeline stage's shard_map (manual over the pipeline axis, the
     gradient replicas' axes, the stage's expert and sequence axes, sharding/pipeline/
@@ -261,7 +294,8 @@ class Layout:
     return dataclasses.replace(
         self, in_pipeline_stage=stages, attention=self.stage_attention if stages else
         self.attention, in_replica_vmap=(not stages and self.microbatches > 1 and bool(
-            self.gradient_replica_axes[0] or self.gradient_sequence_axes)))
+            self.vmapped_replicas[0] or self.gradient_sequence_axes)),
+        in_expert_loop=bool(self.loop_expert_axes))
 
   def unsharded(self) -> "Layout":
     """One device's layout with this one's platform and kernels (sampling: the parameters are
@@ -340,58 +374,3 @@ def experts_over_tensor(layout: Layout, num_experts: int, dispatch: str) -> bool
   return (dispatch == "dropless" and layout.tensor > 1 and layout.expert > 1
           and layout.sequence_parallel and num_experts > 0
           and num_experts % (layout.expert * layout.tensor) == 0)
-
-
-_INTS = (*AXES, "zero_stage", "virtual_stages", "micro_batch", "microbatches")
-
-
-def parse(text: str) -> Layout:
-  """A Layout from "data=4,tensor=2,pipeline=2,zero=1,mbs=4,ga=16,remat=selective,sp=1,
-  schedule=1f1b" (any subset, any order; mesh names or the aliases dp/tp/pp/cp/ep). One-line
-  LayoutError for anything else."""
-  values = {}
-  for item in filter(None, (p.strip() for p in text.split(","))):
-    key, sep, value = (part.strip() for part in item.partition("="))
-    field = ALIASES.get(key, key)
-    if not sep or not value:
-      raise LayoutError(f"layout item {item!r} must look like key=value")
-    if field in _INTS:
-      if not value.isdigit() or (int(value) < 1 and field != "zero_stage"):
-        raise LayoutError(f"layout {key}={value!r} must be a positive integer")
-      values[field] = int(value)
-    elif field in ("sequence_parallel", "pipeline_recompute"):
-      if value.lower() not in ("0", "1", "true", "false"):
-        raise LayoutError(f"layout {key}={value!r} must be 0 or 1")
-      values[field] = value.lower() in ("1", "true")
-    elif field == "stage_layers":
-      stage_split.parse(value)
-      values[field] = value
-    elif field in ("remat", "pipeline_schedule", "vocab_over_fsdp", "context_impl"):
-      allowed = {"remat": REMATS, "pipeline_schedule": schedules.SCHEDULES,
-                 "vocab_over_fsdp": ("auto", "on", "off"), "context_impl": CONTEXT_IMPLS}[field]
-      if value not in allowed:
-        raise LayoutError(f"layout {key}={value!r} is not one of {', '.join(allowed)}")
-      values[field] = value
-    else:
-      raise LayoutError(f"unknown layout key {key!r}; keys: {', '.join(_INTS)}, remat,"
-                        " sequence_parallel (sp), pipeline_schedule (schedule), vocab_over_fsdp,"
-                        " stage_layers, pipeline_recompute, context_impl (cp_impl);"
-                        f" aliases {', '.join(ALIASES)}")
-  layout = Layout(**values)
-  check_switches(layout)
-  return layout
-
-
-def check_switches(layout: Layout) -> None:
-  """One-line LayoutError for switches that contradict each other or the sizes."""
-  if layout.zero_stage not in (0, 1, 2, 3):
-    raise LayoutError(f"zero stage {layout.zero_stage} must be 0, 1, 2 or 3")
-  if layout.sequence_parallel and layout.tensor == 1:
-    raise LayoutError("sequence parallelism needs tensor > 1 (it splits the sequence over"
-                      " tensor): set tensor to more than 1 or turn sequence_parallel off")
-  if layout.pipeline_schedule in schedules.V_SHAPED and layout.virtual_stages != 2:
-    raise LayoutError(f"schedule {layout.pipeline_schedule} runs two chunks per stage (its V):"
-                      " set virtual_stages=2 (vpp=2)")
-  if layout.virtual_stages > 1 and layout.pipeline_schedule not in schedules.INTERLEAVING:
-    raise LayoutError(f"virtual_stages={layout.virtual_stages} needs the interleaved_1f1b or"
-                      " paired_1f1b pipeline schedule")

@@ -71,6 +71,8 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
         full[i] = a
       return fn(*full)
 
+    if layout.in_expert_loop:  # manual over every axis that splits: the values are its own
+      return fn(*args)
     check_vma = check_vma_on_cpu or layout.platform != "cpu"
     if layout.in_pipeline_stage:
       mapped = stage_shard_map(per_device, layout.stage_mesh(), in_specs, out_spec, check_vma)

@@ -9,7 +9,7 @@ import pytest
 
 from configs import llama
 from sharding import Layout, MeshConfig
-from sharding.layout import parse
+from sharding.layout_text import parse
 from sharding.mesh import LayoutError
 from sharding.plan import estimate, hardware
 from tests import parallel_harness as harness

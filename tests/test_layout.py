@@ -7,7 +7,8 @@ import pytest
 
 import configs
 from sharding import LayoutError, MeshConfig
-from sharding.layout import Layout, parse
+from sharding.layout import Layout
+from sharding.layout_text import parse
 from tests import parallel_harness as harness
 from trainer.trainer import Trainer
 

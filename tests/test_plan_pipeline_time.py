@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from configs.llama import MODELS
-from sharding.layout import Layout, parse
+from sharding.layout import Layout
+from sharding.layout_text import parse
 from sharding.pipeline import schedules
 from sharding.pipeline.schedules import bubble_ratio
 from sharding.plan import hardware, planner

@@ -12,7 +12,8 @@ import pytest
 
 from configs.llama import MODELS
 from sharding.plan import estimate, hardware, planner
-from sharding.layout import Layout, parse
+from sharding.layout import Layout
+from sharding.layout_text import parse
 from sharding.mesh import LayoutError
 from sharding.plan.estimate import PLAYBOOK_MIXED
 from tests import docs_text

@@ -15,7 +15,7 @@ import pytest
 from benchmarks import playbook_sweep as sweep
 from cli.memory import run_memory
 from configs import llama as llama_presets
-from sharding import LayoutError, MeshConfig, layout, layout_of
+from sharding import LayoutError, MeshConfig, layout_of, layout_text
 from sharding.pipeline import stage_split
 from sharding.plan import estimate
 from sharding.xla import hlo
@@ -58,8 +58,8 @@ def test_bad_splits_are_one_line_errors(layers, positions, given, message):
 
 
 def test_the_split_reads_back_from_a_layout_string():
-  lay = layout.parse("data=2,pipeline=2,stage_layers=1+4,ga=4")
-  assert lay.stage_layers == "1+4" and layout.parse(lay.string()) == lay
+  lay = layout_text.parse("data=2,pipeline=2,stage_layers=1+4,ga=4")
+  assert lay.stage_layers == "1+4" and layout_text.parse(lay.string()) == lay
   assert lay.stage_split(5) == (1, 4) and lay.layers_per_device(5) == 4
   with pytest.raises(LayoutError, match="pipeline=1"):
     layout_of(MeshConfig(data=8, stage_layers="1+4"), 8, model(5), batch_size=8, seq_len=16)
@@ -142,12 +142,12 @@ def test_the_estimator_counts_the_padded_rows():
   8 rows each, as 128 layers would (memory and time of that stage); 5 on 2 hold 3."""
   llama = estimate.model_spec(llama_presets.MODELS["llama3_405b"])
   padded = dataclasses.replace(llama, num_layers=128)
-  lay = layout.parse("data=1,pipeline=16,tensor=8,ga=32")
+  lay = layout_text.parse("data=1,pipeline=16,tensor=8,ga=32")
   ours, as_128 = (estimate.memory(m, lay, 4096, estimate.PLAYBOOK_MIXED) for m in (llama, padded))
   assert lay.layers_per_device(126) == 8 and estimate.stage_layers(llama, lay) == 8
   assert ours.params == pytest.approx(as_128.params)
   assert ours.activations == pytest.approx(as_128.activations)
-  assert layout.parse("data=4,pipeline=2").layers_per_device(5) == 3
+  assert layout_text.parse("data=4,pipeline=2").layers_per_device(5) == 3
 
 
 def test_memory_evaluates_every_sweep_layout_with_no_more_stages_than_layers(capsys):

@@ -10,6 +10,7 @@ from flax import nnx
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout, constrain, constrain_tree, excluding, zigzag
 from sharding.context_parallel import SEQUENCE_PARTS
+from sharding.expert_loop import run_loop, typed_like_region
 from sharding.pipeline import stage_split
 from trainer import loss
 from trainer.config import StepConfig
@@ -111,7 +112,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
     the sequence (attention exchanges across the parts inside; sequence-wise sums add them up
     over SEQUENCE_PARTS), and keeps the result, so accumulation needs no communication
     (R = C = 1 without replicas or context)."""
-    axes, replicas = layout.gradient_replica_axes
+    axes, replicas = layout.vmapped_replicas
     part_axes = layout.gradient_sequence_axes
     parts = layout.sequence_parts if part_axes else 1
 
@@ -145,19 +146,25 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
     else:
       stack_names = [k for k in STACKS if k in params] if model.compute.scan_layers else []
 
-      def accumulate(carry, micro):
-        total, stats_total = carry
-        (grads, stacks), stats = replica_grads(params, micro, fp8_weights,
-                                               {k: total[k] for k in stack_names})
-        # The stacks' entries of `grads` are zeros (theirs went into `stacks`), left unused.
-        total = {**state.combine(total, grads), **stacks}
-        return (total, jax.tree.map(jnp.add, stats_total, stats)), None
+      def loop(params, micro, fp8_weights):
+        def accumulate(carry, micro):
+          total, stats_total = carry
+          (grads, stacks), stats = replica_grads(params, micro, fp8_weights,
+                                                 {k: total[k] for k in stack_names})
+          # The stacks' entries of `grads` are zeros (theirs went into `stacks`), left unused.
+          total = {**state.combine(total, grads), **stacks}
+          return (total, jax.tree.map(jnp.add, stats_total, stats)), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes, stat_shapes = jax.eval_shape(replica_grads, params, first, fp8_weights)
+        zeros = (state.zeros(shapes, accum_dtype),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stat_shapes))
+        return jax.lax.scan(accumulate, typed_like_region(zeros), micro)[0]
 
       micro = split_microbatches(batch, layout.microbatches)
-      first = jax.tree.map(lambda x: x[0], micro)
-      shapes, stat_shapes = jax.eval_shape(replica_grads, params, first, fp8_weights)
-      zeros = (state.zeros(shapes, accum_dtype), jax.tree.map(jnp.zeros_like, stat_shapes))
-      (grads, stats), _ = jax.lax.scan(accumulate, zeros, micro)
+      # Under the expert axes that split the batch, each device sums its own rows' gradients
+      # (sharding/expert_loop.py); elsewhere the loop runs as it is.
+      grads, stats = run_loop(layout, names, loop, params, micro, fp8_weights, state.is_fp8)
       # The one reduction over replicas (an all-reduce, or a reduce-scatter under ZeRO-1).
       grads = state.reduce_replicas(grads, params)
       stats = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)

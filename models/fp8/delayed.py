@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.pallas_triton import varying_like
 from kernels.residuals import keep
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa (max 448)
@@ -99,6 +100,9 @@ def _forward(eqn, margin, x, w, x_history, w_history, g_history, weight=None):
   sx = scale_from_history(x_history, E4M3, margin)
   qx = quantize(x, sx, E4M3)
   qw, sw, new_w_history = weight if weight is not None else quantize_weight(w, w_history, margin)
+  # A weight quantized before a region manual over some axes (the expert loop's) enters it
+  # invariant; its history's new value is typed as the history it replaces.
+  new_w_history = varying_like(new_w_history, w_history)
   y = scaled_dot(eqn, qx, qw, sx, sw, x.dtype)
   # Residuals are the fp8 operands (1 byte per element, not the compute dtype's 2 or 4). Kept,
   # with the output (its scaled value: then XLA can fold the scales into the GEMM), under
