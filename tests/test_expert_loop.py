@@ -15,7 +15,7 @@ from configs import moe as moe_configs
 from models.fp8.config import Fp8Config
 from sharding.layout import Layout
 from sharding.xla import compiled, hlo
-from tests import parallel_harness as harness
+from tests import parallel_harness as harness, test_mtp
 from tests.test_moe_parallel import MOE, M, reference
 from tests.test_parallel import assert_same_training
 from trainer.aot import compile_for_gpus
@@ -110,3 +110,18 @@ def test_the_shared_gradients_are_reduced_once_a_step_in_the_h100_program(tmp_pa
   assert exchanges and all(n == cfg.microbatches * cfg.model.num_layers for n in exchanges)
   once = reductions_by_executions(text)
   assert once[("reduce-scatter", 1)] and all(count == 1 for _, count in once), once
+
+
+def test_a_moe_prediction_module_trains_in_the_expert_loop_like_one_device():
+  """DeepSeek-V3's shape in small: the MoE model with a depth-1 multi-token prediction module
+  whose block is a MoE too, on expert=4 x data=2 with 2 microbatches, in the loop: its router
+  losses, loads and shifted targets are sums over each device's rows, and its bias moves by the
+  step's loads summed over the devices, as on one device."""
+  mesh = M(expert=4, data=2)
+  assert harness.config(mesh, model=test_mtp.with_mtp(), moe=test_mtp.HARNESS_MOE,
+                        microbatches=2).layout(8).loop_axes == ("data", "expert")
+  result = harness.run(mesh, model=test_mtp.with_mtp(), moe=test_mtp.HARNESS_MOE,
+                       microbatches=2)
+  ref = test_mtp.reference(moe=test_mtp.HARNESS_MOE)
+  assert_same_training(result, ref)
+  test_mtp.assert_same_mtp_metrics(result, ref)
