@@ -75,8 +75,7 @@ def run_loop(layout, names, loop, params, micro: dict, fp8_weights, by_max):
   return jax.tree.map(added, apart, by_max, sums, is_leaf=is_axes), stats
 
 
-def typed_like_region(tree):
-  """`tree` (zeros: a loop's initial sums) typed as varying over the manual axes of the region
-  it is made in, like the sums the loop adds to them; as it is outside any."""
-  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  return jax.tree.map(lambda x: varying_over(x, manual), tree) if manual else tree
+def loop_typed(layout, tree):
+  """`tree` (zeros: a loop's initial sums) typed as varying over the expert loop's axes, like
+  the sums the loop adds to them inside its region; as it is without the loop."""
+  return jax.tree.map(lambda x: varying_over(x, layout.loop_axes), tree)

@@ -10,7 +10,7 @@ from flax import nnx
 from models.fp8.weights import attach as fp8_attach, quantize_weights
 from sharding import Layout, constrain, constrain_tree, excluding, zigzag
 from sharding.context_parallel import SEQUENCE_PARTS
-from sharding.expert_loop import run_loop, typed_like_region
+from sharding.expert_loop import loop_typed, run_loop
 from sharding.pipeline import stage_split
 from trainer import loss
 from trainer.config import StepConfig
@@ -159,7 +159,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
         shapes, stat_shapes = jax.eval_shape(replica_grads, params, first, fp8_weights)
         zeros = (state.zeros(shapes, accum_dtype),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stat_shapes))
-        return jax.lax.scan(accumulate, typed_like_region(zeros), micro)[0]
+        return jax.lax.scan(accumulate, loop_typed(layout, zeros), micro)[0]
 
       micro = split_microbatches(batch, layout.microbatches)
       # Under the expert axes that split the batch, each device sums its own rows' gradients
