@@ -30,17 +30,17 @@ def _run_received(recv, recv_counts, params, expert_fn):
   local = jnp.sum(ends[:, :, None] <= slot[None, None, :], axis=1)  # [N, cap]
   key = local.reshape(n * cap)  # == E_local for padding rows: they sort last
   regroup = jnp.argsort(key, stable=True)
-  back = inverse(regroup)
+  back = inverse_of(regroup)
   group_sizes = jnp.sum(recv_counts, axis=0)
   # The padding rows' outputs are not masked: no sender reads them back (the ragged return
   # sends each source its real rows only; the padded one's sender keeps the rows it sent), and
   # their cotangents are zeros. A mask shared XLA's zeros with the receive buffer, which the
-  # ragged all-to-all writes in place, so XLA copied it: Qwen3-30B-A3B's EP16 step, 1.1 s.
+  # ragged all-to-all writes in place, so XLA copied it (Qwen3-30B-A3B EP16: 0.85 s a step).
   out = expert_fn(permuted(recv.reshape(n * cap, d), regroup, back), group_sizes, *params)
   return permuted(out, back, regroup).reshape(n, cap, d)
 
 
-def inverse(perm):
+def inverse_of(perm):
   """The inverse of a permutation of rows (a scatter of ints, not a sort)."""
   rows = jnp.arange(perm.shape[0], dtype=perm.dtype) + perm * 0  # batched like perm under vmap
   return jnp.zeros_like(perm).at[perm].set(rows, unique_indices=True)

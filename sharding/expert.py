@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from sharding.exchange_rounds import exchange_rows, inverse, permuted, size_of
+from sharding.exchange_rounds import exchange_rows, inverse_of, permuted, size_of
 from sharding.mesh import LayoutError, mesh_sizes
 from sharding.rules import entry_axes
 from sharding.scope import spec
@@ -180,7 +180,7 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
   x_BLD = varying_over(x_BLD, partial_axes)
   expert = ids_BLk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
-  back = inverse(order)
+  back = inverse_of(order)
   # Each token's k copies, sorted (the broadcast fuses into the gather; its transpose, a sum
   # over the k copies, into the backward's gather, where x[order // k] would scatter-add).
   x_sorted = permuted(jnp.broadcast_to(x_BLD.reshape(tokens, 1, d), (tokens, k, d)).reshape(
