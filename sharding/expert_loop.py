@@ -12,7 +12,6 @@ loop, into the optimizer's parts. The experts' weights stay split, each device s
 experts' gradients (the exchange brings it every token routed to them, sharding/expert.py)."""
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sharding.rules import entry_axes, spec_entry
@@ -24,7 +23,7 @@ def _is_spec(x) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def run_loop(layout, names, loop, params, micro: dict, fp8_weights, by_max):
+def run_loop(layout, names, loop, params, micro: dict, fp8_weights):
   """loop(params, micro, fp8_weights) -> (sums, stats), run by each device of `layout.loop_axes`
   (the gradient replicas' and the expert axes) on its own rows of the microbatches `micro`
   ({name: [M, B, ...]}); without those axes, run as it is.
@@ -35,10 +34,10 @@ def run_loop(layout, names, loop, params, micro: dict, fp8_weights, by_max):
     loop: sums over the microbatches: `sums` like `params`, each with a leading dim of the
       step's vmapped replicas (trainer/step.py; one here), and `stats` (summed).
     params: the parameters; fp8_weights: their fp8 copies (models/fp8/weights.py), or None.
-    by_max: a bool per parameter: the leaves combined by max (fp8 amax histories), not summed.
   Returns:
-    (sums, stats) over every device's rows: each weight's sums added up (float32) over the
-    axes it is not split over (the shared weights' over all, the experts' over the replicas').
+    (sums, stats): each weight's sums with the devices it is not split over (the shared
+    weights': all; the experts': the replicas') folded into the leading replicas' dim, for the
+    step's one reduction over it; stats summed over every device.
   """
   axes = layout.loop_axes
   if not axes:
@@ -66,13 +65,10 @@ def run_loop(layout, names, loop, params, micro: dict, fp8_weights, by_max):
                                    jax.tree.map(lambda _: PartitionSpec(), fp8_weights)),
                          out_specs=(out_specs, PartitionSpec()))
   sums, stats = mapped(params, micro, fp8_weights)
-
-  def added(o, m, x):  # [devices, replicas, ...] -> [replicas, ...]
-    if not o:
-      return x
-    return jnp.max(x, axis=0) if m else jnp.sum(x.astype(jnp.promote_types(
-        x.dtype, jnp.float32)), axis=0)
-  return jax.tree.map(added, apart, by_max, sums, is_leaf=is_axes), stats
+  # [devices, replicas, ...] -> [devices x replicas, ...]
+  folded = jax.tree.map(lambda o, x: x.reshape(-1, *x.shape[2:]) if o else x, apart, sums,
+                        is_leaf=is_axes)
+  return folded, stats
 
 
 def loop_typed(layout, tree):

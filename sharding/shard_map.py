@@ -43,7 +43,9 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
     A function with `fn`'s signature.
   """
   def wrapped(*args):
-    if layout.mesh is None:
+    # One device, or the expert loop's region, manual over every axis that splits (sharding/
+    # expert_loop.py): the values are the device's own.
+    if layout.mesh is None or layout.in_expert_loop:
       return fn(*args)
     if len(args) != len(in_names):
       raise ValueError(f"{what}: {len(args)} arguments but {len(in_names)} name tuples")
@@ -71,8 +73,6 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
         full[i] = a
       return fn(*full)
 
-    if layout.in_expert_loop:  # manual over every axis that splits: the values are its own
-      return fn(*args)
     check_vma = check_vma_on_cpu or layout.platform != "cpu"
     if layout.in_pipeline_stage:
       mapped = stage_shard_map(per_device, layout.stage_mesh(), in_specs, out_spec, check_vma)

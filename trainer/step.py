@@ -164,7 +164,7 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
       micro = split_microbatches(batch, layout.microbatches)
       # Under the expert axes that split the batch, each device sums its own rows' gradients
       # (sharding/expert_loop.py); elsewhere the loop runs as it is.
-      grads, stats = run_loop(layout, names, loop, params, micro, fp8_weights, state.is_fp8)
+      grads, stats = run_loop(layout, names, loop, params, micro, fp8_weights)
       # The one reduction over replicas (an all-reduce, or a reduce-scatter under ZeRO-1).
       grads = state.reduce_replicas(grads, params)
       stats = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)
