@@ -103,9 +103,9 @@ def _forward_rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
   # Typed like the rows too: one replica's rows (per_replica) vary over the vmapped mesh axis.
   zeros = varying_over(zeros, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
 
-  def body(carry):
+  def body(carry):  # each round writes its rows of y, which no other round writes, in place
     r, y = carry
-    return r + 1, y + round_fn(x_sorted, counts, params, r)
+    return r + 1, round_fn(x_sorted, counts, params, r, into=y)
   return jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.zeros_like(rounds), zeros))[1]
 
 
@@ -160,9 +160,10 @@ def _received_counts(recv_counts, offset, capacity):
   return jnp.diff(ends, axis=1, prepend=0).astype(jnp.int32)
 
 
-def _padded_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
+def _padded_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity, into=None):
   """One round by all_to_all of [N, capacity, D] buffers: row j holds this round's rows for
-  device j's experts; the result holds the round's rows of x_sorted's outputs, zeros elsewhere."""
+  device j's experts; the result holds the round's rows of x_sorted's outputs, and elsewhere
+  `into`'s rows (None: zeros)."""
   n = size_of(axes)
   a, d = x_sorted.shape
   per_device = counts.reshape(n, -1)  # [N, E_local]: tokens for each expert of each device
@@ -180,11 +181,14 @@ def _padded_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
   dest = jnp.sum(jnp.cumsum(sent)[None, :] <= jnp.arange(a)[:, None], axis=1)
   at = jnp.arange(a) - start[dest] - offset
   inside = (at >= 0) & (at < capacity)
-  return jnp.where(inside[:, None], back[dest, jnp.clip(at, 0, capacity - 1)], 0)
+  return jnp.where(inside[:, None], back[dest, jnp.clip(at, 0, capacity - 1)],
+                   0 if into is None else into)
 
 
-def _ragged_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
-  """The same round with ragged_all_to_all: only the real rows travel (GPU)."""
+def _ragged_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity, into=None):
+  """The same round with ragged_all_to_all: only the real rows travel (GPU). The return writes
+  into `into`, whose other rows it leaves as they are: the rounds' loop passes its sum, so a
+  round adds no buffer of zeros and no sum (Qwen3-30B-A3B EP16: about 1.1 s a step each)."""
   n = size_of(axes)
   a, d = x_sorted.shape
   me = jax.lax.axis_index(axes)
@@ -218,7 +222,8 @@ def _ragged_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity):
                       _received_counts(recv_total, offset, capacity), params, expert_fn)
   # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
   return jax.lax.ragged_all_to_all(
-      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)), slots, receiving,
+      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)) if into is None else into,
+      slots, receiving,
       jnp.minimum(their_start + offset, a), sending, axis_name=axes)
 
 
