@@ -102,14 +102,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   ctx = active()
   if ctx is None:
     return x
-  sharding = named_sharding(names, x.shape, "activation")
-  abstract = jax.sharding.get_abstract_mesh()
-  if abstract.manual_axes:  # inside a shard_map manual over some axes (kept out of the spec by
-    # `excluding`): the constraint must name the abstract mesh that marks them Manual
-    sharding = NamedSharding(abstract, sharding.spec)
+  resolved = spec(names, x.shape, "activation")
   if ctx.recorded is not None:
-    ctx.recorded.append((tuple(x.shape), tuple(names), sharding.spec))
-  return jax.lax.with_sharding_constraint(x, sharding)
+    ctx.recorded.append((tuple(x.shape), tuple(names), resolved))
+  return constrain_spec(x, resolved)
+
+
+def constrain_spec(x: jax.Array, resolved: PartitionSpec) -> jax.Array:
+  """Constrains x to a PartitionSpec of the current mesh; a no-op outside `use_rules`. Inside a
+  shard_map manual over some axes the spec names only the others (`excluding` keeps them out of
+  resolved specs) and the constraint names the abstract mesh that marks them Manual."""
+  if active() is None:
+    return x
+  abstract = jax.sharding.get_abstract_mesh()
+  mesh = abstract if abstract.manual_axes else current().mesh
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, resolved))
 
 
 def constrain_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

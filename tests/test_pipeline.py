@@ -47,6 +47,8 @@ FAST = [case(2, kind) for kind in schedules.SCHEDULES if kind not in schedules.V
     case(2, "1f1b", {"data": 1, "fsdp": 2, "tensor": 2}),
     # ZeRO-1: the layer gradients reduce-scattered into the optimizer state's parts.
     case(4, "interleaved_1f1b", {"data": 2, "zero_stage": 1}, layers=8),
+    # ZeRO-2: each tick's layer gradients reduce-scattered into their parts over `data`.
+    case(2, "paired_1f1b", {"data": 4, "zero_stage": 2}),
     case(4, "zbv", {"data": 2}, layers=8),
     case(4, "dualpipev", {"data": 2}, layers=8),
 ]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 from sharding.pipeline import kept_residuals, schedules as sched, stage_split, transfers
 from sharding.pipeline.device_order import device_order
 from sharding.pipeline.head_pieces import HeadPieces
-from sharding.pipeline.reduction import per_replica_specs, reduce_sums, sum_replicas
+from sharding.pipeline.reduction import per_replica_specs, reduce_sums, split_into, sum_replicas
 from sharding.pipeline.shared_grads import Leaves, embedding_grads, embeddings
 from sharding.pipeline.stage_fns import StageFns
 from sharding.pipeline.tick_loops import scan_ticks
@@ -21,7 +21,7 @@ from sharding.shard_map import varying_over
 
 def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shared, data: dict,
                    present: dict | None = None, by_max=None, accum_dtype=None,
-                   expert_specs=None, recompute=True, reduced_specs=None):
+                   expert_specs=None, recompute=True, reduced_specs=None, grad_parts=None):
   """Runs `schedule` over the microbatches in `data` ({name: [M, b, ...]}).
 
   Args:
@@ -48,6 +48,8 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
     reduced_specs: under ZeRO-1, a tree like `layers` of each weight's optimizer-state
       PartitionSpec over the replica axes: its gradient is reduce-scattered into those parts
       (sharding/pipeline/reduction.py) and returned split so; None: all-reduced whole.
+    grad_parts: under ZeRO-2, a tree like `layers` of each weight's gradient PartitionSpec over
+      the stage's automatic axes: each tick's gradients are reduce-scattered into those parts.
   Returns:
     (layer gradients like `layers`, shared gradients, loss_sum, stats, row_stats [L, ...] in
     storage order), summed over microbatches, in the parameters' dtypes.
@@ -78,7 +80,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   def per_device(layers, shared, data):
     with excluding((axis, *replica_axes)):
       return _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max,
-                  accum_dtype, recompute, later)
+                  accum_dtype, recompute, later, grad_parts)
 
   mapped = jax.shard_map(
       per_device, mesh=layout.mesh, axis_names={axis, *replica_axes},
@@ -92,7 +94,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
 
 
 def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_max, accum_dtype,
-         recompute, later):
+         recompute, later, grad_parts):
   """One device's part: a scan over the ticks of the table."""
   manual = (axis, *replica_axes)
   stages, virtual = schedule.stages, schedule.virtual
@@ -206,7 +208,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     carry = count(carry, c, loss, stats, rows)
     carry["layer_acc"] = {k: jax.tree.map(  # a dead chunk's zeros go to any slot
         lambda m, a, d, i=slot[k][c]: a.at[i].max(d) if m else a.at[i].add(d.astype(a.dtype)),
-        layer_max[k], acc, d_layers[k]) for k, acc in carry["layer_acc"].items()}
+        layer_max[k], acc, split_into(d_layers[k], grad_parts and grad_parts[k], layer_max[k]))
+        for k, acc in carry["layer_acc"].items()}
     if d_shared is not None:
       carry["shared_acc"] = add_shared(carry["shared_acc"], last_reads, d_shared)
     return carry
