@@ -256,7 +256,11 @@ class Transformer(nnx.Module):
       return out if isinstance(out, tuple) else (out, None)
 
     layer = block
-    if present is not None:  # padding rows: a conditional, so they run no matmuls
+    # Padding rows: a conditional, so they run no matmuls (`layer_rows`); given traced (a
+    # pipeline position's rows that the executor masks, sharding/pipeline/stage_split.
+    # masked_rows), each row runs and a padding row's output and gradients are masked to zeros.
+    masked = present is not None and not isinstance(present, np.ndarray)
+    if present is not None:
       # Both branches type the layer's outputs like x (in a pipeline stage: varying over its
       # axis, whether or not a value depends on the stage's data), as cond requires.
       typed_like = lambda x, y: jax.tree.map(
@@ -272,6 +276,9 @@ class Transformer(nnx.Module):
         def skip(x, layer_state):
           _, y = jax.eval_shape(block, x, layer_state, window)
           return x, typed_like(x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), y))
+        if masked:
+          x_out, y = block(x, layer_state, window)
+          return jnp.where(here, x_out, x), jax.tree.map(lambda a: jnp.where(here, a, 0), y)
         return jax.lax.cond(here, run, skip, x, layer_state)
       stacked = (stacked, layer_rows(present))
       if accumulating:

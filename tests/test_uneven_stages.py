@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -109,23 +110,26 @@ def _trainer(layers, **mesh):
   return Trainer(cfg)
 
 
-def test_padding_rows_run_no_matmuls_and_stay_zero():
-  """5 layers on 2 stages are stored as 2 x 3 rows; a stage's forward and backward run under a
-  switch over the two positions' row patterns, whose branches hold 3 and 2 layers' matmuls (the
-  empty row dropped when tracing; the even 6-layer program has no such switch), and after
-  training steps its weights are still exactly zero (no gradient, no decay of zero).
-
-  XLA's cost_analysis() charges a conditional with its costliest branch, so the compiled
-  program's FLOPs are those of the most loaded stage (3 layers), which sets the step time."""
+def test_padding_rows_are_masked_and_stay_zero():
+  """5 layers on 2 stages are stored as 2 x 3 rows. The two positions' row patterns are one
+  stack's (3 rows, and 2 of them), so every position runs the 3 rows and masks its padding row
+  (stage_split.nested): the program has the even 6-layer program's matmuls and no switch over
+  row patterns (whose branches made XLA copy the rows' weights and gradients; the form before,
+  patched in, has one). After training steps the padding weights are still exactly zero (no
+  gradient, no decay of zero). In lock step a tick waits for the 3-row position either way."""
   uneven, even = _trainer(5), _trainer(6)
   assert uneven.stage_layers == (("layers", (3, 2)),) and even.stage_layers == ()
   assert uneven.abstract_state.params["layers"]["mlp"]["down"]["w"].shape[0] == 6
-  texts = {}
-  for name, trainer in (("uneven", uneven), ("even", even)):
+
+  def text(trainer):
     with trainer.scope():
-      texts[name] = trainer.train_step.lower(trainer.abstract_state,
-                                             trainer.abstract_batch()).compile().as_text()
-  assert _row_pattern_switches(texts["uneven"]) > 0 == _row_pattern_switches(texts["even"])
+      return trainer.train_step.lower(trainer.abstract_state,
+                                      trainer.abstract_batch()).compile().as_text()
+  with mock.patch.object(stage_split, "nested", lambda patterns: False):
+    switched = text(_trainer(5))
+  masked, whole = text(uneven), text(even)
+  assert _row_pattern_switches(switched) > 0 == _row_pattern_switches(masked)
+  assert masked.count(" dot(") == whole.count(" dot(")
 
   uneven.init_state()
   with uneven.scope():

@@ -118,11 +118,12 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   local = jax.tree.map(lambda w: varying_over(w, replica_axes), local)
   first_mb = jax.tree.map(lambda a: a[0], data)
   live = stage_split.live_chunks(schedule.positions(), present or {}, local)
-  # Each position's rows, static (numpy), so XLA drops its padding rows' conditionals: a
-  # forward or backward runs under a switch over the positions' distinct row patterns, and the
-  # last position's backward (with the multi-token prediction, which only it runs) with its own;
-  # a lock-step tick is priced at its costliest pattern, not at every stack's rows present.
+  # Each position's rows, static (numpy), so XLA drops its padding rows' conditionals: a forward
+  # or backward runs under a switch over the positions' distinct row patterns (or one stack's
+  # rows masked: stage_split.nested), the last position's backward (with the multi-token
+  # prediction, which only it runs) with its own; a tick is priced at its costliest pattern.
   patterns, pattern_of = stage_split.row_patterns(present or {})
+  nested = len(patterns) > 1 and stage_split.nested(patterns)
   last_rows = patterns[pattern_of[last_position] if present else 0]
   present = {k: jnp.asarray(v) for k, v in (present or {}).items()}
   act = jax.eval_shape(fns.first, shared, first_mb)
@@ -222,9 +223,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
     chunk_quantized = jax.tree.map(lambda w: w[c], quantized)
     pattern = jnp.asarray(pattern_of)[position]
 
-    def by_rows(fn):  # fn(rows of a position) under a switch over the row patterns
-      if len(patterns) == 1:
-        return fn(patterns[0])
+    def by_rows(fn):  # fn(rows of a position): static, masked, or a switch over the patterns
+      if len(patterns) == 1 or nested:
+        return fn(stage_split.masked_rows(patterns, pattern) if nested else patterns[0])
       return jax.lax.switch(pattern, [lambda r=r: fn(r) for r in patterns])
     firsts = carry["embedded"] if embedded_inputs is None else embedded_inputs
     # The input: the embedding at position 0, else the received activation.
