@@ -245,6 +245,12 @@ class Layout:
     return tuple(a for a in self.axes("experts") if a in self.axes("batch"))
 
   @property
+  def stage_replica_axes(self) -> tuple[str, ...]:
+    """The axes besides the pipeline's that a stage's shard_map is manual over: the gradient
+    replicas', the experts' and the sequence's (each device's own rows and parts of them)."""
+    return (*self.gradient_replica_axes[0], *self.stage_expert_axes, *self.stage_sequence_axes)
+
+  @property
   def loop_expert_axes(self) -> tuple[str, ...]:
     """The same for the step without stages: its microbatch loop runs under a shard_map manual
     over them and the gradient replicas' axes (`loop_axes`, sharding/expert_loop.py), each

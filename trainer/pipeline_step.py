@@ -94,14 +94,14 @@ def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
     # (the `opt_state` view over the executor's replica axes), not all-reduced whole.
     reduced = None
     if layout.zero_stage == 1:
-      reduced = specs_over({k: names[k] for k in stacks}, stacks, replicas_of(layout),
+      reduced = specs_over({k: names[k] for k in stacks}, stacks, layout.stage_replica_axes,
                            role="opt_state")
     # ZeRO-2: each tick's layer gradients reduce-scattered into the gradients' parts over the
     # axes the stages leave automatic (the replicas' and experts' at ZeRO >= 2).
     parts = None
     if layout.zero_stage == 2:
       automatic = tuple(a for a in layout.mesh.axis_names if a not in (
-          layout.pipeline_axis, *replicas_of(layout)))
+          layout.pipeline_axis, *layout.stage_replica_axes))
       parts = specs_over({k: names[k] for k in stacks}, stacks, automatic, role="grads")
     layer_grads, shared_grads, loss_sum, stats, row_stats = pipeline.pipeline_grads(
         layout, fns, plan, stacks, shared, micro, present, by_max, cfg.grad_accum_dtype, split,
@@ -109,10 +109,3 @@ def make_pipeline_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig, *,
     return {**shared_grads, **layer_grads}, dict(stats, **row_stats, loss_sum=loss_sum)
 
   return grads_fn
-
-
-def replicas_of(layout: Layout) -> tuple[str, ...]:
-  """The axes besides the pipeline's that the stages' shard_map is manual over (each device's
-  own rows and parts of the sequence: sharding/pipeline/executor.py)."""
-  return (*layout.gradient_replica_axes[0], *layout.stage_expert_axes,
-          *layout.stage_sequence_axes)

@@ -63,7 +63,7 @@ def pipeline_grads(layout, fns: StageFns, schedule: sched.Schedule, layers, shar
   # sums of the weights they share; the experts' weights stay split, each device its own.
   rows_axes = (*layout.gradient_replica_axes[0], *layout.stage_expert_axes)
   seq_axes = layout.stage_sequence_axes
-  replica_axes = (*rows_axes, *seq_axes)
+  replica_axes = layout.stage_replica_axes  # (*rows_axes, *seq_axes)
   layer_specs, shared_specs = expert_specs or jax.tree.map(lambda _: PartitionSpec(),
                                                            (layers, shared))
   layer_specs = jax.tree.map(lambda s: PartitionSpec(axis, *s[1:]), layer_specs,
