@@ -31,3 +31,30 @@ def init_params(cfg: ModelConfig, key: jax.Array, compute: ComputeConfig | None 
   layout does not change them, so the model is built with a single device's."""
   model = Transformer(cfg, compute, Layout(), rngs=nnx.Rngs(params=key))
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+LAYER_STACKS = ("layers", "moe_layers")  # the stacks compute.scan_layers=False stores apart
+
+
+def per_layer(params: dict) -> dict:
+  """A pure dict of parameters with stacked layers (the scanned form) in the form of a model
+  built with compute.scan_layers=False: each stack a dict of its layers, layer i row i."""
+  def rows(stack):
+    n = jax.tree.leaves(stack)[0].shape[0]
+    return {i: jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)}
+  return {k: rows(v) if k in LAYER_STACKS and v is not None and not is_per_layer(v) else v
+          for k, v in params.items()}
+
+
+def stacked(params: dict) -> dict:
+  """`per_layer`'s inverse: each stack stored apart stacked again (a stacked one as it is)."""
+  def stack(layers):
+    return jax.tree.map(lambda *rows: jax.numpy.stack(rows),
+                        *(layers[k] for k in sorted(layers, key=int)))
+  return {k: stack(v) if k in LAYER_STACKS and is_per_layer(v) else v for k, v in params.items()}
+
+
+def is_per_layer(stack) -> bool:
+  """Whether a stack's pure dict holds its layers apart (keys are layer numbers; a checkpoint may
+  give them back as strings)."""
+  return isinstance(stack, dict) and bool(stack) and all(str(k).isdigit() for k in stack)

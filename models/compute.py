@@ -62,7 +62,10 @@ class ComputeConfig:
   # reduce-scatter after down become N - 1 ppermute steps that overlap the matmul chunks.
   collective_matmul: bool = False
   remat: str = "none"  # one of REMAT_POLICIES, per layer
-  scan_layers: bool = True  # False: the layers unrolled (same body and weights), for debugging
+  # False: each layer's weights are arrays of their own and the layers run unrolled, which
+  # spares a scan's per-microbatch copies of weight rows and stacked residuals (faster for a
+  # few dozen layers; the compile time grows with the depth). Not with pipeline stages.
+  scan_layers: bool = True
   # How the output head meets the loss: "dense" materializes [B, L, V] logits; "chunked" runs
   # the head and the cross-entropy over sequence chunks of `loss_chunk_size` tokens, so only
   # [B, chunk, V] logits ever exist (kernels/cross_entropy.py).

@@ -7,6 +7,7 @@ import numpy as np
 
 import sharding
 from models import ComputeConfig, ModelConfig
+from models.builder import stacked
 from models.config import MoEConfig
 from trainer.config import DataConfig, OptimConfig, TrainConfig
 from trainer.trainer import Trainer
@@ -75,8 +76,9 @@ def run(mesh_cfg: sharding.MeshConfig, *, devices=None, **kw) -> Result:
   grads_fn = make_grads_fn(trainer.step_graphdef, trainer.names, trainer.layout,
                            trainer.step_config)
   # Uneven pipeline stages store the layer stack padded: compare the model's own rows.
+  # In the stacked form, whichever the run stores (compute.scan_layers), to compare runs.
   leaves = lambda params: [np.asarray(p) for p in
-                           jax.tree.leaves(unstored(params, trainer.stage_layers))]
+                           jax.tree.leaves(stacked(unstored(params, trainer.stage_layers)))]
   with trainer.scope():
     # One compile for the step and the gradients it applies (XLA shares the computation).
     step_and_grads = jax.jit(lambda state, batch: (*trainer.step_fn(state, batch),

@@ -114,8 +114,8 @@ def test_the_backward_holds_no_second_stacked_gradient():
 @pytest.mark.parametrize("what", ["fp8 tensorwise", "fp8 delayed", "moe"])
 def test_the_train_step_accumulates_as_plain_autodiff_does(what):
   """2 microbatches: the step with the accumulating scan (the layers scanned) trains as the same
-  step unrolled (`compute.scan_layers=False`: plain autodiff, accumulated after each
-  microbatch): fp8 weights quantized outside the differentiated function and attached to the
+  step with the layers stored apart and unrolled (`compute.scan_layers=False`: plain autodiff,
+  accumulated after each microbatch; compared in the stacked form): fp8 weights quantized outside the differentiated function and attached to the
   layers, delayed-scaling histories combined by max (data=2 x fsdp=2 x tensor=2), the MoE stack
   and its router losses (data=2 x expert=2 x tensor=2)."""
   compute, moe, mesh = harness.COMPUTE, None, MeshConfig(data=2, fsdp=2, tensor=2)

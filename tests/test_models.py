@@ -13,7 +13,7 @@ from flax import nnx
 import kernels
 from configs import llama
 from models import ComputeConfig, ModelConfig, abstract_model, param_names
-from models.builder import init_params
+from models.builder import init_params, per_layer, stacked
 from models.compute import REMAT_POLICIES
 from models.rope import inverse_frequencies
 
@@ -106,16 +106,24 @@ def test_packed_documents_do_not_attend_across(tiny_params):
   assert float(jnp.abs(leaky[0, 10:] - alone[0]).max()) > 1e-3
 
 
-def test_scanned_equals_unrolled(tiny_params):
+def test_scanned_equals_layers_stored_apart(tiny_params):
+  """compute.scan_layers=False: each layer's weights arrays of their own (no `layers` dim), the
+  same initial values as the stack's rows, the layers unrolled, the same logits."""
   unrolled = ComputeConfig(scan_layers=False)
+  apart = init_params(TINY, jax.random.PRNGKey(0), unrolled)
+  assert sorted(apart["layers"]) == [0, 1]
+  assert param_names(TINY, unrolled)["layers"][1]["attn"]["q"]["w"] == ("embed", "heads",
+                                                                        "head_dim")
+  for got, want in zip(jax.tree.leaves(apart), jax.tree.leaves(per_layer(tiny_params))):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(jax.tree.leaves(stacked(apart)), jax.tree.leaves(tiny_params)):
+    np.testing.assert_array_equal(got, want)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 16)), jnp.int32)
   jaxpr_scan = str(jax.make_jaxpr(lambda p: _apply(TINY, p, tokens))(tiny_params))
-  jaxpr_loop = str(jax.make_jaxpr(
-      lambda p: _apply(TINY, p, tokens, compute=unrolled))(tiny_params))
+  jaxpr_loop = str(jax.make_jaxpr(lambda p: _apply(TINY, p, tokens, compute=unrolled))(apart))
   assert "scan" in jaxpr_scan and "scan" not in jaxpr_loop
   np.testing.assert_allclose(_apply(TINY, tiny_params, tokens),
-                             _apply(TINY, tiny_params, tokens, compute=unrolled), rtol=0,
-                             atol=1e-5)
+                             _apply(TINY, apart, tokens, compute=unrolled), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -154,15 +162,16 @@ def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_pa
   autodiff keeping every intermediate (everything_saveable: what remat="none" was)."""
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 16)), jnp.int32)
   unrolled = ComputeConfig(scan_layers=False)  # each residual visible with the op making it
+  params = per_layer(tiny_params)
 
   def loss(params):
     return jnp.mean(_apply(TINY, params, tokens, compute=unrolled).astype(jnp.float32) ** 2)
 
-  kept = _saved_residuals(loss, tiny_params)
-  value, grads = jax.jit(jax.value_and_grad(loss))(tiny_params)
+  kept = _saved_residuals(loss, params)
+  value, grads = jax.jit(jax.value_and_grad(loss))(params)
   monkeypatch.setitem(REMAT_POLICIES, "none", jax.checkpoint_policies.everything_saveable)
-  everything = _saved_residuals(loss, tiny_params)
-  value_all, grads_all = jax.jit(jax.value_and_grad(loss))(tiny_params)
+  everything = _saved_residuals(loss, params)
+  value_all, grads_all = jax.jit(jax.value_and_grad(loss))(params)
 
   elementwise = ("'silu'", " exp", " div", "'_where'", " integer_pow")
   assert any(op in line for line in everything for op in elementwise)  # the variants differ

@@ -226,10 +226,11 @@ class Checkpointer:
                             " resume from an earlier one") from None
 
   def check_fits(self, step: int, model_config: dict, fp8_config=None,
-                 optim_config: dict | None = None) -> dict:
+                 optim_config: dict | None = None, scan_layers: bool | None = None) -> dict:
     """The metadata of checkpoint `step`, once it is checked to fit this run: the model's
-    shapes, the fp8 state and (`optim_config`) the optimizer whose state it holds. Cheap (the
-    metadata only): the trainer calls it before compiling."""
+    shapes, the fp8 state, (`optim_config`) the optimizer whose state it holds and
+    (`scan_layers`) the form of its layers, stacked or apart. Cheap (the metadata only): the
+    trainer calls it before compiling."""
     path = os.path.join(self.directory, str(step))
     meta = self.read_meta(step)
     saved = meta.get("config", {}).get("model", {})
@@ -238,6 +239,14 @@ class Checkpointer:
     if mismatched:
       raise CheckpointError(f"checkpoint {path} does not fit this model: {', '.join(mismatched)};"
                             " use another --workdir or the checkpoint's model config")
+    saved_scan = meta.get("config", {}).get("compute", {}).get("scan_layers", True)
+    if scan_layers is not None and saved_scan != scan_layers:
+      forms = {True: "stacked", False: "each apart"}
+      raise CheckpointError(
+          f"checkpoint {path} stores its layers {forms[saved_scan]}"
+          f" (compute.scan_layers={str(saved_scan).lower()}), this run {forms[scan_layers]}:"
+          f" resume with --config.compute.scan_layers={str(saved_scan).lower()}, or start a new"
+          " --workdir")
     # fp8 settings: compute.fp8 (checkpoints written before it moved: model.fp8).
     saved_fp8 = meta.get("config", {}).get("compute", {}).get("fp8", saved.get("fp8"))
     written_fp8, wanted_fp8 = _fp8_state(saved_fp8), _fp8_state(_as_dict(fp8_config))

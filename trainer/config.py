@@ -223,6 +223,9 @@ class TrainConfig:
     if self.mesh.pipeline_schedule not in schedules.SCHEDULES:
       raise ValueError(f"mesh.pipeline_schedule={self.mesh.pipeline_schedule!r} is not one of"
                        f" {', '.join(schedules.SCHEDULES)}")
+    if not self.compute.scan_layers and self.mesh.pipeline > 1:
+      raise ValueError("compute.scan_layers=false stores each layer apart, but pipeline stages"
+                       " split a stack of layers: set compute.scan_layers=true or mesh.pipeline=1")
     if self.init_from and (not self.init_from.startswith("hf:") or self.init_from == "hf:"):
       raise ValueError(f"init_from must be empty or hf:<Hugging Face model directory>, got"
                        f" {self.init_from!r}")

@@ -53,7 +53,7 @@ def init_state_from_hf(trainer) -> TrainState:
   model_dir = cfg.init_from[len(PREFIX):]
   with trainer.scope():
     rows = {name: stage_split.layer_of_row(counts) for name, counts in trainer.stage_layers}
-    params = hf.load_params(model_dir, cfg.model, trainer.shardings.params, rows)
+    params = hf.load_params(model_dir, cfg.model, trainer.shardings.params, rows, cfg.compute)
     state = jax.jit(lambda p: fresh_state(p, trainer.tx, cfg.seed),
                     out_shardings=trainer.shardings, donate_argnums=0)(params)
   logging.info("initialized the parameters from %s", model_dir)

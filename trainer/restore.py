@@ -82,7 +82,7 @@ def check_resumable(trainer: Trainer, checkpoints: str) -> None:
   try:
     if step is not None:
       source.check_fits(step, dataclasses.asdict(cfg.model), cfg.compute.fp8,
-                        dataclasses.asdict(cfg.optim))
+                        dataclasses.asdict(cfg.optim), cfg.compute.scan_layers)
   finally:
     if source is not None:
       source.close()

@@ -172,7 +172,8 @@ def _place(tensors: SafetensorsFiles, entry: Entry, leaf, sharding,
   return jax.make_array_from_callback(leaf.shape, sharding, callback)
 
 
-def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=None) -> dict:
+def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=None,
+                compute=None) -> dict:
   """Our parameters (pure dict) from a HF directory's safetensors, streamed into `shardings`.
 
   Args:
@@ -181,6 +182,7 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
     shardings: a pytree of jax.sharding.Sharding matching the params; None = the first device.
     layer_of_row: {stack: for each stored row, its layer in the stack, -1 for a padding row
       (zeros)} for the layer stacks stored padded (uneven pipeline stages); others as they are.
+    compute: the run's ComputeConfig, whose scan_layers decides the stacks' form (None: stacked).
 
   Host memory: parameters are placed one at a time, each from its local devices' distinct slices,
   filled one HF tensor slice at a time from memmaps of the files (only the bytes a slice covers
@@ -189,7 +191,7 @@ def load_params(model_dir: str, cfg: ModelConfig, shardings=None, layer_of_row=N
   (measured: 385 MiB of host arrays to load a 714 MiB model whose largest weight is 128 MiB).
   """
   tensors = SafetensorsFiles(model_dir)
-  _, abstract = abstract_model(cfg)
+  _, abstract = abstract_model(cfg, compute)
   rows = entries(abstract, cfg)
   expected = {}
   for entry in rows:

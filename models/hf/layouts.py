@@ -114,10 +114,17 @@ class Entry:
 
   def hf_names(self, lead_shape) -> list[tuple[tuple[int, ...], str]]:
     """(leading index, HF name) for every HF tensor of this parameter."""
-    keys = ("layer", "expert_id")[:self.stacked]
-    offsets = (self.layer_offset, 0)
-    return [(idx, self.hf_name.format(**{k: i + o for k, i, o in zip(keys, idx, offsets)}))
+    keys = [k for k in ("layer", "expert_id") if "{" + k + "}" in self.hf_name]
+    offsets = {"layer": self.layer_offset, "expert_id": 0}
+    return [(idx, self.hf_name.format(**{k: i + offsets[k] for k, i in zip(keys, idx)}))
             for idx in itertools.product(*(range(n) for n in lead_shape))]
+
+  def of_layer(self, key) -> "Entry":
+    """This row for one layer of a stack stored apart (compute.scan_layers=False), at `key` in
+    it: the layer's number is in the path and the HF name instead of a leading dim."""
+    return dataclasses.replace(
+        self, path=(self.path[0], key, *self.path[1:]), layer_offset=0,
+        hf_name=self.hf_name.replace("{layer}", str(int(key) + self.layer_offset)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ the tests use: which family a config.json or a ModelConfig is, its parameter row
 config.json conversions. Adding a family: a module building on layouts.py, listed in FAMILIES.
 """
 
+from models.builder import is_per_layer
 from models.config import ModelConfig
 from models.hf.deepseek import ARCHITECTURE as DEEPSEEK_V3
 from models.hf.layouts import Architecture, Entry, check_supported
@@ -32,7 +33,8 @@ def architecture_of(cfg: ModelConfig) -> Architecture:
 
 
 def entries(params: dict, cfg: ModelConfig) -> list[Entry]:
-  """The table rows whose parameter exists in `params` (a pure dict; no head when tied)."""
+  """The table rows whose parameter exists in `params` (a pure dict; no head when tied), per
+  layer where a stack holds its layers apart."""
   def has(path):
     node = params
     for key in path:
@@ -40,7 +42,10 @@ def entries(params: dict, cfg: ModelConfig) -> list[Entry]:
         return False
       node = node[key]
     return True
-  return [e for e in architecture_of(cfg).table(cfg) if has(e.path)]
+  def rows(entry):  # a stack stored apart (compute.scan_layers=False): one row per layer
+    stack = params.get(entry.path[0])
+    return [entry.of_layer(k) for k in stack] if is_per_layer(stack) else [entry]
+  return [e for entry in architecture_of(cfg).table(cfg) for e in rows(entry) if has(e.path)]
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:

@@ -1,0 +1,116 @@
+"""compute.scan_layers=False: each layer's weights are arrays of their own and the layers run
+unrolled (models/transformer.py `_per_layer`). It trains as the scanned model does (the train
+step's comparison: tests/test_accumulating_scan.py), reads and writes Hugging Face weights and
+its own checkpoints, refuses pipeline stages and a checkpoint of the other form in one line, and
+its compiled program has none of the scan's per-microbatch copies of weight rows and stacked
+residuals."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import llama
+from models import ComputeConfig, abstract_model, hf
+from models.builder import is_per_layer, stacked
+from sharding import MeshConfig
+from sharding.xla import compiled, hlo
+from tests.test_checkpoint import _every, rows, tiny_run
+from tests.test_hf import TOKENS, assert_same_tensors, hf_llama, hf_logits, hf_mixtral
+from trainer import checkpoint, loop
+from trainer.aot import compile_for_gpus
+
+APART = ComputeConfig(scan_layers=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_hugging_face_weights_load_and_save_per_layer(tmp_path, family):
+  """Imported apart: each layer its own arrays, the stacked import's values bitwise, its logits
+  (the unrolled program rounds differently) and transformers'; exported: the same tensors,
+  bitwise."""
+  reference = (hf_llama if family == "llama" else hf_mixtral)(tmp_path / "hf")
+  cfg = hf.read_config(str(tmp_path / "hf"))
+  params = hf.load_params(str(tmp_path / "hf"), cfg, compute=APART)
+  name = "layers" if family == "llama" else "moe_layers"
+  assert is_per_layer(params[name]) and sorted(params[name]) == list(range(cfg.num_layers))
+  model = nnx.merge(abstract_model(cfg, APART)[0], params)
+  whole = hf.from_pretrained(str(tmp_path / "hf"))
+  np.testing.assert_allclose(np.asarray(model(TOKENS)), np.asarray(whole(TOKENS)), atol=1e-5)
+  assert np.abs(np.asarray(model(TOKENS)) - hf_logits(reference)).max() < 1e-4
+  for got, want in zip(jax.tree.leaves(stacked(params)),
+                       jax.tree.leaves(nnx.to_pure_dict(nnx.state(whole, nnx.Param)))):
+    np.testing.assert_array_equal(got, want)
+  hf.save_params(params, cfg, str(tmp_path / "out"))
+  assert_same_tensors(tmp_path / "hf", tmp_path / "out")
+
+
+def _apart(cfg):
+  cfg.compute = dataclasses.replace(cfg.compute, scan_layers=False)
+  return cfg
+
+
+def test_checkpoints_resume_and_the_other_form_is_refused(tmp_path):
+  """fsdp=4 x tensor=2: the run apart has the scanned run's losses; resumed from its step-2
+  checkpoint it repeats steps 3 and 4 bitwise; a scanned run refuses that checkpoint in one
+  line that names the setting, before touching anything."""
+  loop.run(_apart(tiny_run(steps=4, checkpoint=_every(2))), str(tmp_path / "apart"))
+  loop.run(tiny_run(steps=4, checkpoint=_every(2)), str(tmp_path / "scanned"))
+  apart, scanned = rows(tmp_path / "apart"), rows(tmp_path / "scanned")
+  np.testing.assert_allclose([apart[s]["loss"] for s in range(1, 5)],
+                             [scanned[s]["loss"] for s in range(1, 5)], rtol=1e-5)
+  resumed = _apart(tiny_run(steps=4, checkpoint=_every(2)))
+  resumed.checkpoint.restore_from = str(tmp_path / "apart" / "checkpoints" / "2")
+  loop.run(resumed, str(tmp_path / "resumed"))
+  for step in (3, 4):
+    assert rows(tmp_path / "resumed")[step]["loss"] == apart[step]["loss"]
+  other = tiny_run(steps=4)
+  other.checkpoint.restore_from = str(tmp_path / "apart" / "checkpoints" / "2")
+  with pytest.raises(checkpoint.CheckpointError, match=(
+      r"stores its layers each apart \(compute.scan_layers=false\), this run stacked: resume"
+      r" with --config.compute.scan_layers=false")) as error:
+    loop.run(other, str(tmp_path / "other"))
+  assert "\n" not in str(error.value) and not (tmp_path / "other" / "checkpoints").exists()
+
+
+def test_pipeline_stages_are_refused():
+  cfg = _apart(tiny_run())
+  cfg.mesh = MeshConfig(data=1, pipeline=2)
+  with pytest.raises(ValueError, match="compute.scan_layers=false stores each layer apart, but"
+                     " pipeline stages split a stack of layers: set compute.scan_layers=true"):
+    cfg.validate()
+
+
+def _row_copies(text: str, layers: int) -> list[str]:
+  """The dynamic slices of a [layers, ...] buffer and the dynamic updates of one: a scan's
+  reads of a layer's weight rows and its writes of kept activations into stacked residuals."""
+  comps = hlo.computations(text)
+  types = {i.name: i.type for instrs in comps.values() for i in instrs}
+  stacked_type = re.compile(rf"^\w+\[{layers},")
+  found = []
+  for instrs in comps.values():
+    for i in instrs:
+      if i.op == "dynamic-update-slice" and stacked_type.match(i.type):
+        found.append(f"{i.name}: {i.type}")
+      elif i.op == "dynamic-slice" and stacked_type.match(types.get(hlo.operands(i)[0], "")):
+        found.append(f"{i.name}: of {types[hlo.operands(i)[0]]}")
+  return found
+
+
+def test_the_h100_program_reads_weights_in_place(tmp_path):
+  """3 layers, 2 microbatches, fsdp=8 on 8 H100s (deviceless): the scanned step copies weight
+  rows out of [3, ...] stacks and writes residuals into them; the step with the layers apart
+  has no dynamic slice or update of a [3, ...] buffer."""
+  found = {}
+  for scan in (True, False):
+    cfg = llama.debug()
+    cfg.mesh = MeshConfig(data=1, fsdp=8)
+    cfg.model.num_layers, cfg.batch_size, cfg.seq_len, cfg.microbatches = 3, 16, 64, 2
+    cfg.compute = dataclasses.replace(cfg.compute, scan_layers=scan)
+    path = tmp_path / f"scan_{scan}.hlo"
+    compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
+    found[scan] = _row_copies(path.read_text(), 3)
+  assert found[True]  # the variants differ
+  assert not found[False], found[False]
