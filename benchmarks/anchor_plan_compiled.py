@@ -36,11 +36,14 @@ TIMEOUT_S = 1200  # one layout's compile (the DeepSeek-V3 anchor takes about 130
 
 
 def candidate_config(a: Anchor, layout: Layout):
-  """The anchor's config with the planned layout's mesh, accumulation and recomputation."""
+  """The anchor's config with the planned layout's mesh, accumulation and recomputation (and
+  the layers stacked under pipeline stages, which split a stack, where the anchor's are apart)."""
   cfg = config(a)
   cfg.mesh = layout.mesh_config()
   cfg.batch_size, cfg.microbatches = layout.global_batch, layout.microbatches
   cfg.compute = dataclasses.replace(cfg.compute, remat=layout.remat)
+  if layout.pipeline > 1:
+    cfg.compute = dataclasses.replace(cfg.compute, scan_layers=True)
   if layout.context > 1:
     cfg.compute = dataclasses.replace(cfg.compute, context_impl=layout.context_impl)
   return cfg

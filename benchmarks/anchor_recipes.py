@@ -63,6 +63,12 @@ def _fp8(recipe: str = "tensorwise") -> tuple:
   return (("fp8", Fp8Config(enabled=True, recipe=recipe)),)
 
 
+# Each layer's weights apart and the layers unrolled (compute.scan_layers=False) where that
+# program is faster and fits (docs/parallelism.md, "Layers stored apart"). Not taken: the
+# torchtitan Float8 row's program peaks at 79.7 GiB so, MaxText 70B's at 77.2 GiB (and 1,157
+# tok/s/GPU); pipelined rows need the stacked layers.
+APART = (("scan_layers", False),)
+
 _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, its real router, exchange buffers 2x a device pair's"
                    " balanced share (predicted for one round: no pair over 2x its share)")
@@ -82,18 +88,18 @@ ANCHORS = (
            " TP1 PP1 CP2, seq 8192 (GBS 128 and MBS 1: Megatron-Bridge's recipe"
            " llama3_8b_pretrain_8gpu_h100_bf16_config)", "as issue [18] cites it", 10_153,
            "bf16", "llama3_8b", 8, dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
-           "Transformer Engine + cuDNN attention", master_weights=True),
+           "Transformer Engine + cuDNN attention", compute=APART, master_weights=True),
     Anchor("NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses", "as the row above",
            "as issue [18] cites it", 10_153, "bf16", "llama3_8b", 8,
            dict(data=4, context=2, zero_stage=1), 128, 8192, 32, "none",
            "as above, and meshtron splits the context by Ulysses all-to-alls around its flash"
-           " kernel where NeMo passes K/V around a ring", compute=(("context_impl", "ulysses"),),
-           master_weights=True),
+           " kernel where NeMo passes K/V around a ring",
+           compute=APART + (("context_impl", "ulysses"),), master_weights=True),
     Anchor("torchtitan Llama-3.1-8B, FSDP 8", "torchtitan benchmarks/llama3_h100_202412_"
            "torchtitan.md Table 1 (FSDP + torch.compile, local batch 2, seq 8192)", "2024-12",
            6_667, "bf16", "llama3_8b", 8, dict(fsdp=8), 16, 8192, 1, "selective",
            "torchtitan's H100s ran at 500 W with 96 GB HBM2e at 2.4 TB/s (below the SXM H100"
-           " profile); torch.compile; SDPA flash attention"),
+           " profile); torch.compile; SDPA flash attention", compute=APART),
     Anchor("torchtitan Llama-3.1-8B, FSDP 8, Float8", "as the row above (FSDP + torch.compile"
            " + Float8)", "2024-12", 8_532, "fp8 tensorwise (torchao Float8 linears)",
            "llama3_8b", 8, dict(fsdp=8), 16, 8192, 1, "selective",
@@ -104,7 +110,7 @@ ANCHORS = (
            "_config (full recompute of 5 of 32 layers)", "25.11 (no newer H100 row)", 14_451,
            FP8_CS, "llama3_8b", 8, dict(fsdp=8), 128, 8192, 16, "none",
            "Megatron recomputes 5 of the 32 layers (meshtron: none, or every layer);"
-           " Transformer Engine", compute=_fp8(), master_weights=True),
+           " Transformer Engine", compute=_fp8() + APART, master_weights=True),
     Anchor("Megatron-Bridge Llama-3-70B FP8, TP4 PP8 VP5", f"{MEGATRON_BRIDGE}: 64 GPUs,"
            " FP8-CS, GBS 256, MBS 1, seq 8192, TP4 PP8 VP5 (DP 2), no recompute; recipe"
            " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"

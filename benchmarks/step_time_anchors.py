@@ -37,7 +37,8 @@ def _row(a: Anchor) -> dict:
           "model": a.preset, "target": a.target,
           "layout": ", ".join(f"{k}={v}" for k, v in a.mesh.items()),
           "batch": a.batch_size, "seq": a.seq_len, "microbatches": a.microbatches,
-          "remat": a.remat, "master_weights": a.master_weights, "routing": a.routing,
+          "remat": a.remat, "layers_apart": not dict(a.compute).get("scan_layers", True),
+          "master_weights": a.master_weights, "routing": a.routing,
           "before": a.before,
           "published_tokens_per_s_per_gpu": round(a.published, 1),
           "differences": a.differences}
@@ -122,7 +123,8 @@ def render(path: str) -> str:
   for r in rows:
     accumulation = f" ({r['microbatches']} microbatches)" if r["microbatches"] > 1 else ""
     setup = (f"{r['model']}, {r['target']}, {r['layout']}, {r['batch']} x {r['seq']}"
-             f"{accumulation}, {r['remat']}, {r['precision']}"
+             f"{accumulation}, {r['remat']}"
+             f"{', layers apart' if r.get('layers_apart') else ''}, {r['precision']}"
              f"{', bf16 weights + fp32 master' if r.get('master_weights') else ''}")
     head = f"| {r['anchor']} ({r['release']}) | {setup} |"
     if r["status"] != "compiled":
