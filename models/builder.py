@@ -7,6 +7,7 @@ from models.compute import ComputeConfig
 from models.config import ModelConfig
 from models.transformer import Transformer
 from sharding import Layout
+from sharding.pipeline import stage_split
 
 
 def abstract_model(cfg: ModelConfig, compute: ComputeConfig | None = None, layout=None):
@@ -33,7 +34,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, compute: ComputeConfig | None 
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-LAYER_STACKS = ("layers", "moe_layers")  # the stacks compute.scan_layers=False stores apart
+# The stacks compute.scan_layers=False stores apart: the layer stacks pipeline stages split.
+LAYER_STACKS = stage_split.STACKS
 
 
 def per_layer(params: dict) -> dict:

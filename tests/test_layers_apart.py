@@ -18,12 +18,14 @@ from models import ComputeConfig, abstract_model, hf
 from models.builder import is_per_layer, stacked
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo
-from tests.test_checkpoint import _every, rows, tiny_run
+from tests.test_checkpoint import rows, tiny_run
 from tests.test_hf import TOKENS, assert_same_tensors, hf_llama, hf_logits, hf_mixtral
 from trainer import checkpoint, loop
+from trainer.config import CheckpointConfig
 from trainer.aot import compile_for_gpus
 
 APART = ComputeConfig(scan_layers=False)
+EVERY_2 = CheckpointConfig(every_steps=2)
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
@@ -56,12 +58,12 @@ def test_checkpoints_resume_and_the_other_form_is_refused(tmp_path):
   """fsdp=4 x tensor=2: the run apart has the scanned run's losses; resumed from its step-2
   checkpoint it repeats steps 3 and 4 bitwise; a scanned run refuses that checkpoint in one
   line that names the setting, before touching anything."""
-  loop.run(_apart(tiny_run(steps=4, checkpoint=_every(2))), str(tmp_path / "apart"))
-  loop.run(tiny_run(steps=4, checkpoint=_every(2)), str(tmp_path / "scanned"))
+  loop.run(_apart(tiny_run(steps=4, checkpoint=EVERY_2)), str(tmp_path / "apart"))
+  loop.run(tiny_run(steps=4, checkpoint=EVERY_2), str(tmp_path / "scanned"))
   apart, scanned = rows(tmp_path / "apart"), rows(tmp_path / "scanned")
   np.testing.assert_allclose([apart[s]["loss"] for s in range(1, 5)],
                              [scanned[s]["loss"] for s in range(1, 5)], rtol=1e-5)
-  resumed = _apart(tiny_run(steps=4, checkpoint=_every(2)))
+  resumed = _apart(tiny_run(steps=4, checkpoint=EVERY_2))
   resumed.checkpoint.restore_from = str(tmp_path / "apart" / "checkpoints" / "2")
   loop.run(resumed, str(tmp_path / "resumed"))
   for step in (3, 4):
