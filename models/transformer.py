@@ -78,13 +78,23 @@ def _per_layer(stack, block, num_layers: int, cfg: ModelConfig, compute, layout)
   the NeMo 8B CP2 recipe's 14.2 s step. The rows keep the stack's values, so both forms start
   from the same weights."""
   rows = nnx.to_pure_dict(nnx.state(stack))
-  blocks = []
-  for i in range(num_layers):
-    graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: block(cfg, compute, layout, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a, i=i: a[i], rows))
-    blocks.append(nnx.merge(graphdef, state))
-  return nnx.List(blocks)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: block(cfg, compute, layout, rngs=nnx.Rngs(0))))
+  return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], rows))
+                   for i in range(num_layers)])
+
+
+def _window(period: int, j: int):
+  """Layer j's window with model.full_attention_every = period: 0 (full attention) for the last
+  layer of each group of `period`, None (the model's) for the others and without a pattern."""
+  return 0 if period and (j + 1) % period == 0 else None
+
+
+def _block_call(graphdef, positions_BL, segment_ids_BL):
+  """(x, a block's state, window) -> (x, the block's per-layer outputs or None)."""
+  def call(x, state, window):
+    out = nnx.merge(graphdef, state)(x, positions_BL, segment_ids_BL, window=window)
+    return out if isinstance(out, tuple) else (out, None)
+  return call
 
 
 def layer_rows(present):
@@ -268,17 +278,13 @@ class Transformer(nnx.Module):
     if isinstance(stack, nnx.List):
       return self._run_per_layer(stack, x, positions_BL, segment_ids_BL)
     graphdef, stacked = nnx.split(stack)
-    accumulating = accumulator is not None and self.compute.scan_layers
+    accumulating = accumulator is not None
     if accumulating:  # as a pure dict, the accumulator's layout
       stacked = nnx.to_pure_dict(stacked)
       acc, use_max = aligned(stacked, *accumulator)
     period = self.config.full_attention_every
-    windows = [0 if period and (j + 1) % period == 0 else None for j in range(period or 1)]
-
-    def block(x, layer_state, window):
-      out = nnx.merge(graphdef, layer_state)(x, positions_BL, segment_ids_BL, window=window)
-      return out if isinstance(out, tuple) else (out, None)
-
+    windows = [_window(period, j) for j in range(period or 1)]
+    block = _block_call(graphdef, positions_BL, segment_ids_BL)
     layer = block
     # Padding rows: a conditional, so they run no matmuls (`layer_rows`); given traced (a
     # pipeline position's rows that the executor masks, sharding/pipeline/stage_split.
@@ -355,14 +361,11 @@ class Transformer(nnx.Module):
   def _run_per_layer(self, blocks, x, positions_BL, segment_ids_BL):
     """`_run` for layers stored apart (`_per_layer`): unrolled, each layer checkpointed with the
     remat policy as the scan's body is, its window from the same pattern."""
-    period, outs = self.config.full_attention_every, []
+    outs = []
     for j, block in enumerate(blocks):
       graphdef, state = nnx.split(block)
-      window = 0 if period and (j + 1) % period == 0 else None
-
-      def layer(x, state, graphdef=graphdef, window=window):
-        out = nnx.merge(graphdef, state)(x, positions_BL, segment_ids_BL, window=window)
-        return out if isinstance(out, tuple) else (out, None)
+      layer = functools.partial(_block_call(graphdef, positions_BL, segment_ids_BL),
+                                window=_window(self.config.full_attention_every, j))
       x, y = jax.checkpoint(layer, policy=REMAT_POLICIES[self.compute.remat])(x, state)
       outs.append(y)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
