@@ -27,7 +27,7 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 # vmap's axes are excluded).
 REDUCED = "opt_state"
 # The parameters' layer stacks (models/transformer.py), whose gradients accumulate in the backward.
-STACKS = ("layers", "moe_layers")
+STACKS = stage_split.STACKS
 
 
 def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, use_max=None):
