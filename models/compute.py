@@ -36,13 +36,24 @@ def _no_recompute(prim, *args, **params) -> bool:
           or policies.save_any_names_but_these()(prim, *args, **params))
 
 
+# A projection whose weight gradient goes into a float32 sum (models/layers.summed_einsum) is a
+# custom_vjp, whose output no policy sees as a dot: it is named PROJECTION, and kept where a
+# plain projection's dot is.
+PROJECTION = "projection"
+
+
+def _projections(prim, *args, **params) -> bool:
+  policies = jax.checkpoint_policies
+  return (policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+          or policies.save_only_these_names(PROJECTION)(prim, *args, **params))
+
+
 # Remat policies by name, each applied to one layer's body (models/transformer.py) and to each
 # multi-token prediction module. "selective" keeps the projection matmul outputs (dots without
 # batch dims) and recomputes the rest, notably attention (its scores' einsums carry batch dims;
 # a flash kernel runs its forward again). "full" keeps only the layer's input. The names are
 # the layout's (sharding.layout.REMATS: the analytic model's too).
-REMAT_POLICIES = dict(zip(REMATS, (_no_recompute,
-                                   jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+REMAT_POLICIES = dict(zip(REMATS, (_no_recompute, _projections,
                                    jax.checkpoint_policies.nothing_saveable)))
 
 

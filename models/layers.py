@@ -6,7 +6,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from models.compute import PROJECTION
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import Gemm, quantized_einsum, shared_input_einsums
 from sharding import constrain, embedding_lookup, logical_sum_reduce_scatter
@@ -136,10 +138,58 @@ class Einsum(nnx.Module):
       # the [B, L, F] activation gradient transposed first, at the cost of a third of the MLP
       # backward (benchmarks/train_step.py --trace, op `copy_bitcast_fusion`).
       lhs, rest = eqn.split(",", 1)
-      y = jnp.einsum(f"T{lhs[2:]},{rest.replace('->BL', '->T')}",
-                     x.reshape(-1, *x.shape[2:]), w)
+      y = self._einsum(f"T{lhs[2:]},{rest.replace('->BL', '->T')}",
+                       x.reshape(-1, *x.shape[2:]), w)
       return y.reshape(*x.shape[:2], *y.shape[1:])
+    return self._einsum(eqn, x, w)
+
+  def _einsum(self, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    if hasattr(self, "w_sum"):  # the step's float32 sum of w's gradients (attach_gradient_sums)
+      return checkpoint_name(summed_einsum(eqn, x, w, self.w_sum.get_value()), PROJECTION)
     return jnp.einsum(eqn, x, w)
+
+
+class GradientSum(nnx.Variable):
+  """An Einsum's float32 gradient sum for one microbatch: set by `attach_gradient_sums`."""
+
+
+def attach_gradient_sums(model, sums) -> None:
+  """Hands each bf16/f32 projection (no fp8) of `model` (merged inside the differentiated
+  function) its weight's running gradient sum from `sums`, the parameters' tree of sums; the
+  gradient with respect to `sums` is then those projections' weight gradients, in float32."""
+  with_sums = nnx.merge(nnx.graphdef(model), sums)
+  for (_, module), (_, summed) in zip(nnx.iter_graph(model), nnx.iter_graph(with_sums)):
+    if isinstance(module, Einsum) and module.fp8_recipe is None:
+      module.w_sum = GradientSum(summed.w[...])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def summed_einsum(eqn: str, x: jax.Array, w: jax.Array, w_sum: jax.Array) -> jax.Array:
+  """einsum(eqn, x, w), whose weight gradient is computed in float32 and leaves as the cotangent
+  of `w_sum` (w's float32 gradient sum, its value unused), w's own being zero. The train step
+  adds it to that sum (trainer/step.py), and XLA fuses the add into the GEMM's epilogue: the
+  GEMM reads and writes the float32 sum, where a bf16 gradient was written, read again,
+  converted and added by a kernel of its own in every microbatch (Megatron's
+  gradient-accumulation fusion). `w_sum` is no residual: a residual would pass the layer
+  checkpoint's optimization barrier, and XLA then keeps the add apart."""
+  del w_sum
+  return jnp.einsum(eqn, x, w)
+
+
+def _summed_forward(eqn, x, w, w_sum):
+  return summed_einsum(eqn, x, w, w_sum), (x, w)
+
+
+def _summed_backward(eqn, residuals, g):
+  x, w = residuals
+  lhs, rest = eqn.split(",")
+  w_dims, out = rest.split("->")
+  dx = jnp.einsum(f"{out},{w_dims}->{lhs}", g, w)
+  dw = jnp.einsum(f"{lhs},{out}->{w_dims}", x, g, preferred_element_type=jnp.float32)
+  return dx, None, dw
+
+
+summed_einsum.defvjp(_summed_forward, _summed_backward)
 
 
 class Embed(nnx.Module):

@@ -204,6 +204,17 @@ class Layout:
     return ("data",), self.data
 
   @property
+  def keeps_whole_gradient_sums(self) -> bool:
+    """Whether each device keeps its weights' gradient sums whole over the microbatches and
+    reduces them once a step: replicas over `data` below ZeRO-2 and over `context` where the
+    sequence parts are differentiated apart, no `fsdp`, no pipeline stages. A weight gradient
+    can then be added into its float32 sum by its GEMM (models/layers.summed_einsum); where the
+    sums are split, each microbatch's gradient is reduced first, better in bf16."""
+    return (self.microbatches > 1 and self.pipeline == 1 and self.fsdp == 1
+            and (self.data == 1 or self.zero_stage < 2)
+            and (self.context == 1 or bool(self.gradient_sequence_axes)))
+
+  @property
   def gradient_sequence_axes(self) -> tuple[str, ...]:
     """The sequence axes over which accumulated gradients stay per-device partial sums: under
     context parallelism with microbatches, each device differentiates its own part of the

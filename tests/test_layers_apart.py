@@ -16,10 +16,12 @@ from flax import nnx
 from configs import llama
 from models import ComputeConfig, abstract_model, hf
 from models.builder import is_per_layer, stacked
-from sharding import MeshConfig
+from sharding import Layout, MeshConfig
 from sharding.xla import compiled, hlo
 from tests.test_checkpoint import rows, tiny_run
+from tests import parallel_harness as harness
 from tests.test_hf import TOKENS, assert_same_tensors, hf_llama, hf_logits, hf_mixtral
+from tests.test_parallel import assert_same_training
 from trainer import checkpoint, loop
 from trainer.config import CheckpointConfig
 from trainer.aot import compile_for_gpus
@@ -116,3 +118,61 @@ def test_the_h100_program_reads_weights_in_place(tmp_path):
     found[scan] = _row_copies(path.read_text(), 3)
   assert found[True]  # the variants differ
   assert not found[False], found[False]
+
+
+def test_the_train_step_sums_projection_gradients_as_plain_autodiff():
+  """Layers apart with whole gradient sums on each device (data=2 x context=2 x tensor=2,
+  ZeRO-1, 2 microbatches): the projections' weight gradients leave their GEMMs in float32 into
+  the running sums (models/layers.summed_einsum); the step trains as the scanned one does.
+  With fsdp the sums are split, and each microbatch's gradient is reduced first."""
+  mesh = MeshConfig(data=2, context=2, tensor=2, zero_stage=1)
+  assert Layout(data=2, context=2, tensor=2, zero_stage=1,
+                microbatches=2).keeps_whole_gradient_sums  # the summed path runs
+  assert not Layout(data=2, fsdp=2, tensor=2, microbatches=2).keeps_whole_gradient_sums
+  runs = [harness.run(mesh, microbatches=2, compute=dataclasses.replace(harness.COMPUTE,
+                                                                        scan_layers=scan))
+          for scan in (True, False)]
+  assert_same_training(*runs)
+
+
+def _gradient_gemms(text: str, shapes: set) -> dict:
+  """The MLP weights' gradient GEMM fusions ([D, F] and [F, D] outputs), by output dtype, and
+  the fusions that add a GEMM's output to a float32 sum of that shape."""
+  found = {"bf16": 0, "f32": 0, "adds": 0}
+  for instrs in hlo.computations(text).values():
+    kinds = {i.name: i for i in instrs}
+    for i in instrs:
+      dtype, _, dims = i.type.partition("[")
+      dims = tuple(int(d) for d in dims.split("]")[0].split(",") if d)
+      if i.op != "fusion" or dims[-2:] not in shapes:
+        continue
+      if "kind=kCustom" in i.attrs and i.name.startswith("gemm_fusion"):
+        found[dtype] = found.get(dtype, 0) + 1
+      elif dtype == "f32" and any(o in kinds and kinds[o].name.startswith("gemm_fusion")
+                                  for o in hlo.operands(i)):
+        found["adds"] += 1
+  return found
+
+
+def test_the_h100_program_adds_each_weight_gradient_in_its_gemm(tmp_path):
+  """2 layers apart, 2 microbatches, data=8 on 8 H100s (deviceless): the MLP weights' 6 gradient
+  GEMMs write float32 and take the running sum as an operand, no add kernel of their own (no
+  float32 gradient written, read again and added per microbatch). Under ZeRO-2 (sums split over
+  `data`) they leave in bf16, to be reduce-scattered first. Wide enough (D 2048, F 8192) that
+  XLA does not merge the gate and up GEMMs, which share their input, into one."""
+  found = {}
+  for zero in (1, 2):
+    cfg = llama.large("llama3_8b")  # bf16 compute; narrower, for the compile's sake
+    cfg.model = dataclasses.replace(cfg.model, num_layers=2, embed_dim=2048, mlp_dim=8192,
+                                    num_heads=16, num_kv_heads=8)
+    cfg.model.param_dtype = "bfloat16"  # with float32 master weights, as the NeMo recipe
+    cfg.optim = dataclasses.replace(cfg.optim, master_weights=True)
+    cfg.mesh = MeshConfig(data=8, zero_stage=zero)
+    cfg.batch_size, cfg.seq_len, cfg.microbatches = 16, 512, 2
+    cfg.compute = dataclasses.replace(cfg.compute, scan_layers=False)
+    path = tmp_path / f"zero_{zero}.hlo"
+    compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
+    d, f = cfg.model.embed_dim, cfg.model.mlp_dim
+    found[zero] = _gradient_gemms(path.read_text(), {(d, f), (f, d)})
+  assert found[2]["f32"] == 0 and found[2]["bf16"] >= 2, found  # the variants differ
+  assert found[1]["adds"] == 0 and found[1]["f32"] == 6 and found[1]["bf16"] == 0, found

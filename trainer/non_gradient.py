@@ -62,6 +62,9 @@ class NonGradient:
         if n[-1] != EXPERT_BIAS:
           return p
         in_mtp = getattr(path[0], "key", None) == "mtp"
-        return update_bias(p, stats["mtp_moe_load" if in_mtp else "moe_load"], self.bias_rate)
+        load = stats["mtp_moe_load" if in_mtp else "moe_load"]  # [the stack's layers, E]
+        if p.ndim < load.ndim:  # a layer stored apart (compute.scan_layers=false): its row
+          load = load[path[1].key]
+        return update_bias(p, load, self.bias_rate)
       params = jax.tree_util.tree_map_with_path(move, params, self.names, is_leaf=_is_names)
     return params

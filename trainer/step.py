@@ -8,6 +8,7 @@ import optax
 from flax import nnx
 
 from models.fp8.weights import attach as fp8_attach, quantize_weights
+from models.layers import attach_gradient_sums
 from sharding import Layout, constrain, constrain_tree, excluding, zigzag
 from sharding.context_parallel import SEQUENCE_PARTS
 from sharding.expert_loop import loop_typed, run_loop
@@ -37,15 +38,21 @@ def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, 
   (trainer.loss.add_mtp_losses; the batch gets its shifted targets here unless the caller added
   them before reordering the sequence). `accumulators`: {stack name: gradient accumulator} whose
   gradient is the accumulator plus the stack's weight gradient (models/accumulating_scan.py);
-  `use_max`: the parameters' tree of bools, True where they accumulate by max (fp8 histories)."""
+  With layers stored apart, `accumulators` is the whole tree of sums, and its gradient holds
+  the projections' weight gradients in float32 (models/layers.attach_gradient_sums); `use_max`:
+  the parameters' tree of bools, True where they accumulate by max (fp8 histories)."""
   # Uneven pipeline stages store the layer stacks padded; the padding rows are skipped.
   present = stage_split.present_rows(layout.stacks, flat=True)
 
   def loss_sums(params, batch, fp8_weights=None, accumulators=None):
     model = nnx.merge(graphdef, params)
+    stacks = {}
+    if accumulators and not model.compute.scan_layers:
+      attach_gradient_sums(model, accumulators)  # layers apart: every sum, for the projections
+    else:
+      stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     if fp8_weights:  # quantized once per step, outside the differentiated function
       fp8_attach(model, fp8_weights)
-    stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     segments = loss.attention_segments(batch, cfg.document_mask)
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
                               segments, present, stacks)
@@ -145,14 +152,20 @@ def make_grads_fn(graphdef, names, layout: Layout, cfg: StepConfig = StepConfig(
       grads, stats = sharded_grad_fn(params, batch, fp8_weights)
     else:
       stack_names = [k for k in STACKS if k in params] if model.compute.scan_layers else []
+      # Layers apart, sums whole on each device: the projections' GEMMs add into the sums.
+      summed = not model.compute.scan_layers and layout.keeps_whole_gradient_sums
 
       def loop(params, micro, fp8_weights):
         def accumulate(carry, micro):
           total, stats_total = carry
-          (grads, stacks), stats = replica_grads(params, micro, fp8_weights,
-                                                 {k: total[k] for k in stack_names})
-          # The stacks' entries of `grads` are zeros (theirs went into `stacks`), left unused.
-          total = {**state.combine(total, grads), **stacks}
+          if summed:  # the projections' entries of `grads` are zeros, theirs are in `dws`
+            (grads, dws), stats = replica_grads(params, micro, fp8_weights, total)
+            total = jax.tree.map(jnp.add, state.combine(total, grads), dws)
+          else:
+            (grads, stacks), stats = replica_grads(params, micro, fp8_weights,
+                                                   {k: total[k] for k in stack_names})
+            # The stacks' entries of `grads` are zeros (theirs went into `stacks`), unused.
+            total = {**state.combine(total, grads), **stacks}
           return (total, jax.tree.map(jnp.add, stats_total, stats)), None
 
         first = jax.tree.map(lambda x: x[0], micro)
