@@ -9,13 +9,18 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import jaxprs_in_params
 
 from configs import llama
 from models import ComputeConfig, abstract_model, hf
+from models.compute import PROJECTION, REMAT_POLICIES
 from models.builder import is_per_layer, stacked
+from models.layers import summed_einsum
 from sharding import Layout, MeshConfig
 from sharding.xla import compiled, hlo
 from tests.test_checkpoint import rows, tiny_run
@@ -176,3 +181,28 @@ def test_the_h100_program_adds_each_weight_gradient_in_its_gemm(tmp_path):
     found[zero] = _gradient_gemms(path.read_text(), {(d, f), (f, d)})
   assert found[2]["f32"] == 0 and found[2]["bf16"] >= 2, found  # the variants differ
   assert found[1]["adds"] == 0 and found[1]["f32"] == 6 and found[1]["bf16"] == 0, found
+
+
+def _dots(jaxpr) -> int:
+  """dot_general equations in a jaxpr and the jaxprs nested in its equations."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general"
+    for sub in jaxprs_in_params(eqn.params):
+      count += _dots(sub)
+  return count
+
+
+@pytest.mark.parametrize("remat, dots", [("none", 3), ("selective", 3), ("full", 4)])
+def test_a_summed_projection_is_kept_where_a_dot_would_be(remat, dots):
+  """The summed projection is a custom_vjp, whose output no policy sees as a dot: named, it is
+  kept by remat none and selective (3 GEMMs: forward, dx, dw) and recomputed by full (4)."""
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+
+  def layer(x, w, total):
+    y = checkpoint_name(summed_einsum("TD,DF->TF", x, w, total), PROJECTION)
+    return jnp.sum(jnp.sin(y))
+
+  checked = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+  jaxpr = jax.make_jaxpr(jax.grad(checked, argnums=(0, 2)))(x, w, jnp.zeros((8, 16)))
+  assert _dots(jaxpr.jaxpr) == dots
