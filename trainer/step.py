@@ -48,7 +48,9 @@ def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, 
     model = nnx.merge(graphdef, params)
     stacks = {}
     if accumulators and not model.compute.scan_layers:
-      attach_gradient_sums(model, accumulators)  # layers apart: every sum, for the projections
+      # Layers apart: every sum, for the projections (before fp8_attach: the sums take the
+      # parameters' graph, which the fp8 copies would extend).
+      attach_gradient_sums(model, accumulators)
     else:
       stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     if fp8_weights:  # quantized once per step, outside the differentiated function
