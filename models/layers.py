@@ -154,13 +154,15 @@ class GradientSum(nnx.Variable):
 
 
 def attach_gradient_sums(model, sums) -> None:
-  """Hands each bf16/f32 projection (no fp8) of `model` (merged inside the differentiated
-  function) its weight's running gradient sum from `sums`, the parameters' tree of sums; the
-  gradient with respect to `sums` is then those projections' weight gradients, in float32."""
+  """Hands each bf16/f32 projection (no fp8) and embedding lookup of `model` (merged inside the
+  differentiated function) its weight's running gradient sum from `sums`, the parameters' tree
+  of sums; the gradient with respect to `sums` is then those weights' gradients, in float32."""
   with_sums = nnx.merge(nnx.graphdef(model), sums)
   for (_, module), (_, summed) in zip(nnx.iter_graph(model), nnx.iter_graph(with_sums)):
     if isinstance(module, Einsum) and module.fp8_recipe is None:
       module.w_sum = GradientSum(summed.w[...])
+    elif isinstance(module, Embed):
+      module.table_sum = GradientSum(summed.table[...])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -192,6 +194,32 @@ def _summed_backward(eqn, residuals, g):
 summed_einsum.defvjp(_summed_forward, _summed_backward)
 
 
+def summed_lookup(table: jax.Array, tokens: jax.Array, table_sum: jax.Array) -> jax.Array:
+  """table[tokens], whose table gradient (the tokens' rows scatter-added, in float32) leaves as
+  the cotangent of `table_sum` (its value unused), the table's own being zero. Added to the sum,
+  a scatter into zeros becomes XLA's scatter into the sum, in place: only the tokens' rows are
+  touched, where a bf16 [V, D] gradient was converted and added to the whole float32 [V, D] sum
+  in every microbatch."""
+  return _summed_lookup(table.shape, table, tokens, table_sum)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _summed_lookup(shape, table, tokens, table_sum):
+  del shape, table_sum
+  return jnp.take(table, tokens, axis=0)
+
+
+def _lookup_forward(shape, table, tokens, table_sum):
+  return _summed_lookup(shape, table, tokens, table_sum), tokens
+
+
+def _lookup_backward(shape, tokens, g):
+  return None, None, jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+
+
+_summed_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
 class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` reuses it as the output head when tied."""
 
@@ -211,7 +239,10 @@ class Embed(nnx.Module):
     # up its vocab slice (Megatron's vocab-parallel embedding). Cast first, so any gather moves
     # compute-dtype bytes.
     table = constrain(self.table[...].astype(self.dtype), ("vocab", "lookup_embed"))
-    rows = embedding_lookup(self.layout, table, tokens_BL)  # in pipeline stages: sharding/lookup.py
+    if hasattr(self, "table_sum"):  # the step's float32 sum of its gradients (no pipeline)
+      rows = summed_lookup(table, tokens_BL, self.table_sum.get_value())
+    else:
+      rows = embedding_lookup(self.layout, table, tokens_BL)  # in pipeline stages: sharding/lookup.py
     return constrain(rows, ("lookup_batch", "seq", "lookup_embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:

@@ -125,30 +125,37 @@ def test_the_h100_program_reads_weights_in_place(tmp_path):
   assert not found[False], found[False]
 
 
-def test_the_train_step_sums_projection_gradients_as_plain_autodiff():
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_train_step_sums_gradients_in_float32_as_plain_autodiff(tied):
   """Layers apart with whole gradient sums on each device (data=2 x context=2 x tensor=2,
   ZeRO-1, 2 microbatches): the projections' weight gradients leave their GEMMs in float32 into
-  the running sums (models/layers.summed_einsum); the step trains as the scanned one does.
-  With fsdp the sums are split, and each microbatch's gradient is reduced first."""
+  the running sums (models/layers.summed_einsum), the embedding's rows are scattered into its
+  sum (summed_lookup; tied, the head's gradient joins it by plain autodiff); the step trains as
+  the scanned one does. With fsdp the sums are split, and each microbatch's gradient is
+  reduced first."""
   mesh = MeshConfig(data=2, context=2, tensor=2, zero_stage=1)
   assert Layout(data=2, context=2, tensor=2, zero_stage=1,
                 microbatches=2).keeps_whole_gradient_sums  # the summed path runs
   assert not Layout(data=2, fsdp=2, tensor=2, microbatches=2).keeps_whole_gradient_sums
-  runs = [harness.run(mesh, microbatches=2, compute=dataclasses.replace(harness.COMPUTE,
-                                                                        scan_layers=scan))
+  model = dataclasses.replace(harness.MODEL, tie_embeddings=tied)
+  runs = [harness.run(mesh, microbatches=2, model=model,
+                      compute=dataclasses.replace(harness.COMPUTE, scan_layers=scan))
           for scan in (True, False)]
   assert_same_training(*runs)
 
 
-def _gradient_gemms(text: str, shapes: set) -> dict:
+def _gradient_gemms(text: str, shapes: set, table: tuple) -> dict:
   """The MLP weights' gradient GEMM fusions ([D, F] and [F, D] outputs), by output dtype, and
-  the fusions that add a GEMM's output to a float32 sum of that shape."""
-  found = {"bf16": 0, "f32": 0, "adds": 0}
+  the fusions that add a GEMM's output to a float32 sum of that shape; the fusions writing a
+  float32 [V, D] (the embedding table's sum), by name ("scatter", "add", ...)."""
+  found = {"bf16": 0, "f32": 0, "adds": 0, "table": []}
   for instrs in hlo.computations(text).values():
     kinds = {i.name: i for i in instrs}
     for i in instrs:
       dtype, _, dims = i.type.partition("[")
       dims = tuple(int(d) for d in dims.split("]")[0].split(",") if d)
+      if i.op == "fusion" and dtype == "f32" and dims[-2:] == table:
+        found["table"].append(re.sub(r"^(loop|input)_|_fusion[.\d]*$", "", i.name))
       if i.op != "fusion" or dims[-2:] not in shapes:
         continue
       if "kind=kCustom" in i.attrs and i.name.startswith("gemm_fusion"):
@@ -162,9 +169,10 @@ def _gradient_gemms(text: str, shapes: set) -> dict:
 def test_the_h100_program_adds_each_weight_gradient_in_its_gemm(tmp_path):
   """2 layers apart, 2 microbatches, data=8 on 8 H100s (deviceless): the MLP weights' 6 gradient
   GEMMs write float32 and take the running sum as an operand, no add kernel of their own (no
-  float32 gradient written, read again and added per microbatch). Under ZeRO-2 (sums split over
-  `data`) they leave in bf16, to be reduce-scattered first. Wide enough (D 2048, F 8192) that
-  XLA does not merge the gate and up GEMMs, which share their input, into one."""
+  float32 gradient written, read again and added per microbatch), and the embedding's rows are
+  scattered into its float32 sum. Under ZeRO-2 (sums split over `data`) the GEMMs write bf16,
+  to be reduce-scattered first. Wide enough (D 2048, F 8192) that XLA does not merge the gate
+  and up GEMMs, which share their input, into one."""
   found = {}
   for zero in (1, 2):
     cfg = llama.large("llama3_8b")  # bf16 compute; narrower, for the compile's sake
@@ -178,9 +186,11 @@ def test_the_h100_program_adds_each_weight_gradient_in_its_gemm(tmp_path):
     path = tmp_path / f"zero_{zero}.hlo"
     compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=str(path))
     d, f = cfg.model.embed_dim, cfg.model.mlp_dim
-    found[zero] = _gradient_gemms(path.read_text(), {(d, f), (f, d)})
+    found[zero] = _gradient_gemms(path.read_text(), {(d, f), (f, d)}, (cfg.model.vocab_size, d))
   assert found[2]["f32"] == 0 and found[2]["bf16"] >= 2, found  # the variants differ
   assert found[1]["adds"] == 0 and found[1]["f32"] == 6 and found[1]["bf16"] == 0, found
+  # The table's rows scattered into its sum in place; no add of a whole [V, D] gradient.
+  assert "scatter" in found[1]["table"] and not any("add" in n for n in found[1]["table"]), found
 
 
 def _dots(jaxpr) -> int:
