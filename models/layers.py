@@ -150,7 +150,8 @@ class Einsum(nnx.Module):
 
 
 class GradientSum(nnx.Variable):
-  """An Einsum's float32 gradient sum for one microbatch: set by `attach_gradient_sums`."""
+  """A weight's float32 gradient sum for one microbatch (an Einsum's or an Embed's): set by
+  `attach_gradient_sums`, never a parameter."""
 
 
 def attach_gradient_sums(model, sums) -> None:
@@ -242,7 +243,7 @@ class Embed(nnx.Module):
     if hasattr(self, "table_sum"):  # the step's float32 sum of its gradients (no pipeline)
       rows = summed_lookup(table, tokens_BL, self.table_sum.get_value())
     else:
-      rows = embedding_lookup(self.layout, table, tokens_BL)  # in pipeline stages: sharding/lookup.py
+      rows = embedding_lookup(self.layout, table, tokens_BL)  # pipeline stages: sharding/lookup.py
     return constrain(rows, ("lookup_batch", "seq", "lookup_embed"))
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:
