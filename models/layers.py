@@ -154,16 +154,17 @@ class GradientSum(nnx.Variable):
   `attach_gradient_sums`, never a parameter."""
 
 
-def attach_gradient_sums(model, sums) -> None:
+def attach_gradient_sums(model, with_sums) -> None:
   """Hands each bf16/f32 projection (no fp8) and embedding lookup of `model` (merged inside the
-  differentiated function) its weight's running gradient sum from `sums`, the parameters' tree
-  of sums; the gradient with respect to `sums` is then those weights' gradients, in float32."""
-  with_sums = nnx.merge(nnx.graphdef(model), sums)
-  for (_, module), (_, summed) in zip(nnx.iter_graph(model), nnx.iter_graph(with_sums)):
+  differentiated function) its weight's running gradient sum from `with_sums`, the model's
+  graph merged with the parameters' tree of sums; the gradient with respect to those sums is
+  then those weights' gradients, in float32."""
+  sums = dict(nnx.iter_graph(with_sums))  # by path: `model` may hold more (its fp8 copies)
+  for path, module in nnx.iter_graph(model):
     if isinstance(module, Einsum) and module.fp8_recipe is None:
-      module.w_sum = GradientSum(summed.w[...])
+      module.w_sum = GradientSum(sums[path].w[...])
     elif isinstance(module, Embed):
-      module.table_sum = GradientSum(summed.table[...])
+      module.table_sum = GradientSum(sums[path].table[...])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -211,7 +211,7 @@ class Layout:
     can then be added into its float32 sum by its GEMM (models/layers.summed_einsum); where the
     sums are split, each microbatch's gradient is reduced first, better in bf16."""
     return (self.microbatches > 1 and self.pipeline == 1 and self.fsdp == 1
-            and (self.data == 1 or self.zero_stage < 2)
+            and (self.data == 1 or bool(self.gradient_replica_axes[0]))
             and (self.context == 1 or bool(self.gradient_sequence_axes)))
 
   @property

@@ -46,15 +46,13 @@ def make_loss_sums(graphdef, layout: Layout, cfg: StepConfig, mtp: bool = True, 
 
   def loss_sums(params, batch, fp8_weights=None, accumulators=None):
     model = nnx.merge(graphdef, params)
-    stacks = {}
-    if accumulators and not model.compute.scan_layers:
-      # Layers apart: every sum, for the projections (before fp8_attach: the sums take the
-      # parameters' graph, which the fp8 copies would extend).
-      attach_gradient_sums(model, accumulators)
-    else:
-      stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     if fp8_weights:  # quantized once per step, outside the differentiated function
       fp8_attach(model, fp8_weights)
+    stacks = {}
+    if accumulators and not model.compute.scan_layers:  # layers apart: every sum
+      attach_gradient_sums(model, nnx.merge(graphdef, accumulators))
+    else:
+      stacks = {k: (acc, use_max[k]) for k, acc in (accumulators or {}).items()}
     segments = loss.attention_segments(batch, cfg.document_mask)
     x, aux = model.run_layers(model.embed_tokens(batch["inputs"]), batch["positions"],
                               segments, present, stacks)
