@@ -101,7 +101,8 @@ def refusal(run: dict) -> str:
 def predict(run: dict, hw: hardware.HardwareProfile) -> float:
   return hardware.step_time(_SPECS[run["model"]], layout_of(run), SEQ, PRECISION, hw,
                             hardware.NANOTRON_ORDER, stages_recompute=False,
-                            lockstep=False, blocking_sends=True).tokens_per_s_per_gpu
+                            lockstep=False, blocking_sends=True,
+                            uniform_matmuls=True).tokens_per_s_per_gpu
 
 
 def spearman(a: list, b: list) -> float:

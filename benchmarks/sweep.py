@@ -88,7 +88,8 @@ def predict(cfg, devices: int, peak_flops: float, bandwidth: float) -> dict:
   # lockstep=False: the fake devices share the machine's cores, so a stage that waits for
   # another's longer operation in a tick leaves its cores to that stage.
   t = hardware.step_time(spec, layout, cfg.seq_len, precision,
-                         cpu_profile(peak_flops, bandwidth, devices), lockstep=False)
+                         cpu_profile(peak_flops, bandwidth, devices), lockstep=False,
+                         uniform_matmuls=True)
   return dict(predicted_tokens_per_s=round(t.tokens_per_s_per_gpu * devices, 1),
               predicted_step_s=round(t.step_s, 5), predicted_mem_gib=round(mem.total / 2**30, 4))
 

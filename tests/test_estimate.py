@@ -329,6 +329,31 @@ def test_meshtron_stages_keep_a_stash_of_chunk_inputs_and_recompute_one_chunk():
         stash + one_layer * model.num_layers / 4 / 2)
 
 
+def test_meshtron_s_kernels_are_priced_at_the_compiled_program_model_s_constants():
+  """SMALL per token: 2 layers x 6 x 2,304 linear and 6 x 1,600 head FLOPs on GEMMs at 0.807 of
+  the peak, 2 x 768 attention-score FLOPs, which meshtron's flash kernels run as 9 matmuls where
+  the count has 6, at 0.35 (without flash, as dots at 0.807); selective remat adds each layer's
+  scores forward (256) at its count. The playbook's nanotron runs price every FLOP at the one
+  fitted matmul_efficiency."""
+  hw, bf16 = hardware.PROFILES["h100"], hardware.PROFILES["h100"].peak_bf16_flops
+  passes = 3 * SMALL.num_layers * hw.layer_overhead_s  # one microbatch
+  flash = dataclasses.replace(SMALL, flash_attention=True)
+  gemm = SEQ * (2 * 6 * 2304 + 6 * 1600) / (bf16 * hw.gemm_peak_fraction)
+  for remat, recomputed in (("none", 0), ("selective", 2 * 256)):
+    layout = Layout(remat=remat)
+    st = hardware.step_time(flash, layout, SEQ, PLAYBOOK_MIXED, hw)
+    assert st.compute_s == pytest.approx(gemm + passes + SEQ * (2 * 768 * 9 / 6 + recomputed) / (
+        bf16 * hw.flash_triton_fraction))
+    dots = hardware.step_time(SMALL, layout, SEQ, PLAYBOOK_MIXED, hw)
+    assert dots.compute_s == pytest.approx(gemm + passes + SEQ * (2 * 768 + recomputed) / (
+        bf16 * hw.gemm_peak_fraction))
+    uniform = hardware.step_time(flash, layout, SEQ, PLAYBOOK_MIXED, hw, uniform_matmuls=True)
+    assert uniform.compute_s == pytest.approx(
+        hardware.hardware_flops_per_device(SMALL, layout, SEQ) / bf16 / hw.matmul_efficiency
+        + passes)
+    assert uniform.compute_s - passes != pytest.approx(st.compute_s - passes)
+
+
 def test_fp8_training_prices_the_layers_gemms_on_fp8_tensor_cores():
   """compute.fp8 (attention and MLP linears, experts in a MoE) moves the layers' GEMMs, 6 x 2,304
   matmul params a layer and token, to peak_fp8_flops; the scores (6 H Dh s = 768 a layer and
@@ -338,10 +363,12 @@ def test_fp8_training_prices_the_layers_gemms_on_fp8_tensor_cores():
   assert (linear, rest) == (SEQ * 2 * 6 * 2304, SEQ * (2 * 768 + 6 * 1600))
   assert linear + rest == hardware.hardware_flops_per_device(SMALL, layout, SEQ) == \
       SEQ * SMALL.flops_per_token(SEQ)
-  bf16, fp8 = (hardware.step_time(SMALL, layout, SEQ, trainer_precision(
-      "bfloat16", "bfloat16", fp8_layers=on), hw) for on in (False, True))
-  assert bf16.compute_s - fp8.compute_s == pytest.approx(
-      linear * (1 / hw.peak_bf16_flops - 1 / hw.peak_fp8_flops) / hw.matmul_efficiency)
+  for uniform, efficiency in ((False, hw.gemm_peak_fraction), (True, hw.matmul_efficiency)):
+    bf16, fp8 = (hardware.step_time(SMALL, layout, SEQ, trainer_precision(
+        "bfloat16", "bfloat16", fp8_layers=on), hw, uniform_matmuls=uniform)
+        for on in (False, True))
+    assert bf16.compute_s - fp8.compute_s == pytest.approx(
+        linear * (1 / hw.peak_bf16_flops - 1 / hw.peak_fp8_flops) / efficiency)
   assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_s / fp8.step_s)  # both of the bf16 peak
   cfg = llama.debug()
   assert not cfg.precision().fp8_layers

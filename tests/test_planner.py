@@ -192,8 +192,8 @@ def predict(name, layout):
   model = dataclasses.replace(estimate.model_spec(MODELS[name]), flash_attention=True)
   return hardware.step_time(model, layout, 4096, estimate.PLAYBOOK_MIXED_FP32_ACCUM, H100,
                             hardware.NANOTRON_ORDER,  # nanotron's stages store activations
-                            stages_recompute=False, lockstep=False,
-                            blocking_sends=True).tokens_per_s_per_gpu
+                            stages_recompute=False, lockstep=False, blocking_sends=True,
+                            uniform_matmuls=True).tokens_per_s_per_gpu
 
 
 def spearman(a, b):

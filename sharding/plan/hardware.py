@@ -208,10 +208,12 @@ def hardware_flops_per_device(model, layout: Layout, seq_len: int,
 
 
 def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = True,
-                forward_only: bool = False) -> tuple[float, float]:
+                forward_only: bool = False, attention_weights: tuple = (1.0, 1.0)
+                ) -> tuple[float, float]:
   """hardware_flops_per_device as (the layers' linear GEMMs, attention scores and the head):
   the first are what fp8 training runs on fp8 tensor cores. `forward_only`: the forward passes'
-  share (a third of each product, no recomputation), which the pipeline's ticks price apart."""
+  share (a third of each product, no recomputation), which the pipeline's ticks price apart.
+  `attention_weights`: factors on the scores' FLOPs (their passes, their recomputed forwards)."""
   m, lay = model_spec(model), layout
   # per model replica, per context shard
   tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
@@ -228,6 +230,7 @@ def flops_split(model, layout: Layout, seq_len: int, stages_recompute: bool = Tr
   passes, head = 6 + 2 * forwards, 6  # x params: forward 2, backward 4, a recomputed forward 2
   if forward_only:
     passes, head, attention, scores = 2, 2, attention / 3, 0.0
+  attention, scores = attention_weights[0] * attention, attention_weights[1] * scores
   # The most loaded stage sets the time: uneven stages count their padded share of layers.
   layers = stage_layers(m, lay) * lay.pipeline
   share = tokens / (lay.tensor * lay.pipeline)
@@ -279,6 +282,31 @@ def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[s
   return members
 
 
+# meshtron's flash kernels run 9 matmuls per attention product where flops_split counts 6: forward
+# 2, backward dq 3 and dkv 4 (each recomputes the scores; sharding/xla/step_time.py counts so).
+FLASH_MATMULS_PER_COUNTED = 9 / 6
+
+
+def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, linear_peak: float,
+                   stages_recompute: bool = True) -> float:
+  """A step's matmuls as meshtron's kernels run them, at the compiled-program model's constants
+  (profiles.py; measured or published, none fitted to the planner): GEMMs at gemm_peak_fraction
+  of their peak (`linear_peak` for the layers' linear ones), flash kernels at
+  flash_triton_fraction of the bf16 peak (without flash, the scores' dots as GEMMs), the dropless
+  experts' grouped matmul at grouped_matmul_fraction over the exchange buffer's rows. Memory-
+  bound kernels are not priced."""
+  flash = model_spec(model).flash_attention
+  linear, _ = flops_split(model, layout, seq_len, stages_recompute)
+  _, head = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(0.0, 0.0))
+  _, scores = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(
+      FLASH_MATMULS_PER_COUNTED if flash else 1.0, 1.0))
+  routed, bf16 = linear * grouped_share(model), hw.peak_bf16_flops
+  scores_rate = hw.flash_triton_fraction if flash else hw.gemm_peak_fraction
+  return (((linear - routed) / linear_peak + head / bf16) / hw.gemm_peak_fraction +
+          (scores - head) / (bf16 * scores_rate) +
+          routed * grouped_rows_ratio(model, layout) / (bf16 * hw.grouped_matmul_fraction))
+
+
 @dataclasses.dataclass
 class StepTime:
   step_s: float
@@ -292,7 +320,8 @@ class StepTime:
 
 def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
               order: tuple = AXES, stages_recompute: bool = True,
-              lockstep: bool = True, blocking_sends: bool = False) -> StepTime:
+              lockstep: bool = True, blocking_sends: bool = False,
+              uniform_matmuls: bool = False) -> StepTime:
   """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
   kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
@@ -303,22 +332,24 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   a cross-node pipeline hop costs `pipeline_hop_s`, the playbook's nanotron runs' blocking send
   per microbatch (their sweep); meshtron's executor sends by asynchronous collective permutes
   inside its ticks, priced as any collective across nodes (bytes and latency), as the
-  compiled-program model prices them (sharding/xla/step_time.py)."""
+  compiled-program model prices them (sharding/xla/step_time.py). `uniform_matmuls`: every
+  matmul at the profile's matmul_efficiency (the playbook's nanotron runs, the CPU sweep)."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
-  # fp8 training's layer GEMMs run on the fp8 tensor cores (2x the bf16 peak on an H100), as
-  # the compiled-program model prices dots on f8 operands; attention scores and the head in bf16.
+  # fp8 training's layer GEMMs on the fp8 tensor cores (the compiled-program model's f8 dots).
   linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
   linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
   routed = linear * grouped_share(m)
-  # Dropless MoE runs its routed experts on our Pallas grouped matmul, which reaches
-  # grouped_matmul_fraction of the bf16 peak where dense GEMMs reach gemm_peak_fraction (both
-  # measured, profiles.py): their matmuls take that much longer than the efficiency's dense ones,
-  # over the exchange buffer's rows.
-  compute = ((linear - routed) / linear_peak + rest / peak + routed * grouped_rows_ratio(m, lay)
-             / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
-      hw.matmul_efficiency + passes * hw.layer_overhead_s
+  if uniform_matmuls:
+    # The routed experts' grouped matmul over the exchange buffer's rows, slower than the
+    # efficiency's dense GEMMs by gemm_peak_fraction / grouped_matmul_fraction (profiles.py).
+    compute = ((linear - routed) / linear_peak + rest / peak + routed * grouped_rows_ratio(
+        m, lay) / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
+        hw.matmul_efficiency
+  else:
+    compute = matmul_seconds(m, lay, seq_len, hw, linear_peak, stages_recompute)
+  compute += passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
   for c in collectives(m, lay, seq_len, precision, stages_recompute):
