@@ -322,7 +322,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
               order: tuple = AXES, stages_recompute: bool = True,
               lockstep: bool = True, blocking_sends: bool = False,
               uniform_matmuls: bool = False) -> StepTime:
-  """Predicted time of one optimizer step: compute at the calibrated matmul efficiency, every
+  """Predicted time of one optimizer step: matmuls at meshtron's kernels' rates, every
   collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
   kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
   optimizer update at HBM bandwidth. `stages_recompute`: as in hardware_flops_per_device (False
