@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 
 from configs import llama
 from models import ComputeConfig, builder
@@ -111,11 +112,8 @@ def _weight_converts(jaxpr, is_weight, is_loop, inside_scan=False, found=None):
         is_weight(tuple(eqn.invars[0].aval.shape)):
       found["inside" if inside_scan else "outside"] += 1
     inner = inside_scan or (eqn.primitive.name == "scan" and is_loop(eqn))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)
-        if isinstance(sub, jax.extend.core.Jaxpr):
-          _weight_converts(sub, is_weight, is_loop, inner, found)
+    for sub in jaxprs_in_params(eqn.params):
+      _weight_converts(sub, is_weight, is_loop, inner, found)
   return found
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 
 import sharding
 from models.layers import Einsum
@@ -87,14 +88,12 @@ def _contracting_dims(fn, *args):
 
 
 def _all_eqns(closed):
+  """The equations of a closed jaxpr and of every jaxpr nested in their params."""
   stack, out = [closed.jaxpr], []
   while stack:
     jaxpr = stack.pop()
-    for eqn in jaxpr.eqns:
-      out.append(eqn)
-      for value in eqn.params.values():
-        if hasattr(value, "jaxpr"):
-          stack.append(value.jaxpr if hasattr(value.jaxpr, "eqns") else value.jaxpr.jaxpr)
+    out.extend(jaxpr.eqns)
+    stack.extend(sub for eqn in jaxpr.eqns for sub in jaxprs_in_params(eqn.params))
   return out
 
 
