@@ -112,3 +112,29 @@ def test_a_disk_too_small_for_one_checkpoint_is_one_line_before_anything(tmpfs):
                      match=r"has 4.2 MB free, and one checkpoint of this run needs about 6.2 MB"):
     loop.run(tiny_run(steps=8), str(workdir))
   assert not workdir.exists()
+
+
+def test_the_free_space_is_read_once_the_save_in_flight_has_committed(tmp_path, monkeypatch):
+  """A save still writing when the next one starts has its bytes not yet on the disk: read
+  then, the free space counts them as free, and the next save was not refused but failed
+  mid-write (the full-disk test above, under load). Each save's room check now follows the
+  previous save's end (orbax's save waits for it anyway)."""
+  import jax.numpy as jnp
+  from trainer.config import CheckpointConfig
+
+  ckpt = checkpoint.Checkpointer(str(tmp_path), CheckpointConfig(async_save=True))
+  events = []
+  wait, usage = ckpt.manager.wait_until_finished, shutil.disk_usage
+  monkeypatch.setattr(ckpt.manager, "wait_until_finished",
+                      lambda: (events.append("previous save ended"), wait())[1])
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                      lambda path: (events.append("free space read"), usage(path))[1])
+  state = {"w": jnp.ones((256, 256))}
+  ckpt.save(2, state, {"batch": 2}, {})
+  assert events[0] == "free space read"  # nothing in flight before the first (orbax waits after)
+  events.clear()
+  ckpt.save(4, state, {"batch": 4}, {})
+  assert events[:2] == ["previous save ended", "free space read"], events
+  ckpt.wait()
+  assert sorted(ckpt.manager.all_steps()) == [2, 4]
+  ckpt.close()

@@ -136,6 +136,11 @@ class Checkpointer:
     writing (disk full, I/O error) raises CheckpointError at the next `check()`, `save` or
     `wait`, with its partial directory removed: the last committed checkpoint stays usable."""
     self._recreate_if_removed()
+    if self._in_flight is not None:
+      # orbax's save waits for the previous one anyway; waited for first, its files are on the
+      # disk when the free space is read (else a save still writing left it looking free, and
+      # the next one failed writing instead of being refused: tests/test_faults.py, under load).
+      self._guard(self.manager.wait_until_finished)
     self._check_space(step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
