@@ -137,18 +137,16 @@ class Checkpointer:
     `wait`, with its partial directory removed: the last committed checkpoint stays usable."""
     self._recreate_if_removed()
     if self._in_flight is not None:
-      # orbax's save waits for the previous one anyway; waited for first, its files are on the
-      # disk when the free space is read (else a save still writing left it looking free, and
-      # the next one failed writing instead of being refused: tests/test_faults.py, under load).
-      self._guard(self.manager.wait_until_finished)
+      # orbax's save waits for the previous one anyway; waited for first (and then hashed), its
+      # files are on the disk when the free space is read (else a save still writing left it
+      # looking free, and the next one failed writing instead of being refused:
+      # tests/test_faults.py, under load).
+      self.wait()
     self._check_space(step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                               meta=ocp.args.JsonSave(meta))
-    previous = self._in_flight
-    # orbax's save first waits for the previous one to commit: it can then be hashed.
     self._guard(lambda: self.manager.save(step, args=args, force=True), starting=step)
-    self._write_checksums(previous)
     self._in_flight = step
     if wait:
       self.wait()

@@ -287,16 +287,15 @@ def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[s
 FLASH_MATMULS_PER_COUNTED = 9 / 6
 
 
-def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, linear_peak: float,
-                   stages_recompute: bool = True) -> float:
+def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, linear: float,
+                   linear_peak: float, stages_recompute: bool = True) -> float:
   """A step's matmuls as meshtron's kernels run them, at the compiled-program model's constants
   (profiles.py; measured or published, none fitted to the planner): GEMMs at gemm_peak_fraction
-  of their peak (`linear_peak` for the layers' linear ones), flash kernels at
+  of their peak (`linear_peak` for the layers' `linear` FLOPs), flash kernels at
   flash_triton_fraction of the bf16 peak (without flash, the scores' dots as GEMMs), the dropless
   experts' grouped matmul at grouped_matmul_fraction over the exchange buffer's rows. Memory-
   bound kernels are not priced."""
   flash = model_spec(model).flash_attention
-  linear, _ = flops_split(model, layout, seq_len, stages_recompute)
   _, head = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(0.0, 0.0))
   _, scores = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(
       FLASH_MATMULS_PER_COUNTED if flash else 1.0, 1.0))
@@ -340,15 +339,15 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
   linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
-  routed = linear * grouped_share(m)
   if uniform_matmuls:
+    routed = linear * grouped_share(m)
     # The routed experts' grouped matmul over the exchange buffer's rows, slower than the
     # efficiency's dense GEMMs by gemm_peak_fraction / grouped_matmul_fraction (profiles.py).
     compute = ((linear - routed) / linear_peak + rest / peak + routed * grouped_rows_ratio(
         m, lay) / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
         hw.matmul_efficiency
   else:
-    compute = matmul_seconds(m, lay, seq_len, hw, linear_peak, stages_recompute)
+    compute = matmul_seconds(m, lay, seq_len, hw, linear, linear_peak, stages_recompute)
   compute += passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
