@@ -24,6 +24,7 @@ import time
 from benchmarks import anchor_plan_compiled, anchor_planner
 from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, config
 from benchmarks.report import replace_section
+from sharding.plan.estimate import model_spec
 from sharding.plan.minimum import minimum_bytes
 from sharding.xla import compiled
 from trainer.aot import compile_for_gpus
@@ -82,10 +83,12 @@ def run(a: Anchor) -> dict:
 
 
 def minimum_fields(a: Anchor, layout, collective_bytes: float) -> dict:
-  """The analytic minimum for the anchor's layout at its config's precision, and the ratio."""
+  """The analytic minimum for the anchor's layout at its config's precision, and the ratio. The
+  compute settings go with the model: they name the row's context-parallel algorithm (Ulysses'
+  all-to-alls or the ring's K/V passes), whose minimum the row is held to."""
   cfg = config(a)
   precision = cfg.precision()
-  minimum = minimum_bytes(cfg.model, layout, a.seq_len, precision)
+  minimum = minimum_bytes(model_spec(cfg.model, cfg.compute), layout, a.seq_len, precision)
   total = sum(minimum.values())
   return {"minimum_bytes": minimum, "minimum_total_bytes": total,
           "bytes_over_minimum": collective_bytes / total if total else None,

@@ -3,12 +3,16 @@ cases: a tiny model whose counts are worked out in the comments, one axis at a t
 composition."""
 
 import dataclasses
+import json
 
 import pytest
 
+from benchmarks import step_time_anchors
+from benchmarks.anchor_recipes import ANCHORS, config
 from sharding.layout import Layout
-from sharding.plan.estimate import ModelSpec, MoESpec, Precision
+from sharding.plan.estimate import ModelSpec, MoESpec, Precision, model_spec
 from sharding.plan.minimum import AXES, minimum_bytes, minimum_total
+from sharding.xla import compiled
 
 # D 8, 2 layers, 2 heads (= kv heads) of 4, MLP 16, vocab 100, untied:
 #   a layer's attention 2 (q, o) x 8 x 2 x 4 + 2 (k, v) x 8 x 2 x 4 = 256, its MLP 3 x 8 x 16 = 384:
@@ -158,3 +162,32 @@ def test_a_composed_layout_adds_its_axes():
   assert got["tensor"] == pytest.approx(2 * 6 * 2 * 0.5 * 256)
   assert got["pipeline"] == 2 * 2 * 256
   assert got["data"] == 0
+
+
+def test_the_anchors_table_holds_each_row_to_its_own_context_parallel_algorithm():
+  """benchmarks/step_time_anchors.py computes a row's minimum with its compute settings: the
+  Ulysses rows' context axis is Ulysses' all-to-alls, not the ring's K/V passes (until the
+  twenty-third session it was the ring's, a third less for Llama-3.1-8B's 8 kv heads). And every
+  committed row's minimum is what the code computes for it now."""
+  anchors = {a.name: a for a in ANCHORS}
+  a = anchors["NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses"]
+  cfg = config(a)
+  layout = cfg.layout(compiled.parse_gpu_target(a.target).num_devices)
+  ulysses, ring = model_spec(cfg.model, cfg.compute), model_spec(cfg.model)
+  assert (ulysses.context_impl, ring.context_impl) == ("ulysses", "ring")
+  mine = step_time_anchors.minimum_fields(a, layout, 1.0)["minimum_bytes"]
+  precision = cfg.precision()
+  assert mine == minimum_bytes(ulysses, layout, a.seq_len, precision)
+  # 32 microbatches x 32 layers x (4 + 4) all-to-alls x 1/2 of 4,096 tokens x (32 + 8 heads) x
+  # (128 + 128) x 2 bytes; the ring's 3 passes of K/V over 1 hop: 3 x 4,096 x 8 x 256 x 2.
+  assert mine["context"] == 32 * 32 * 2 * 0.5 * 4096 * 40 * 256 * 2
+  assert minimum_bytes(ring, layout, a.seq_len, precision)["context"] == \
+      32 * 32 * 3 * 4096 * 8 * 256 * 2
+  for line in open(step_time_anchors.RESULTS):
+    row = json.loads(line)
+    if row["status"] != "compiled":
+      continue
+    b = anchors[row["anchor"]]
+    lay = config(b).layout(compiled.parse_gpu_target(b.target).num_devices)
+    want = step_time_anchors.minimum_fields(b, lay, row["collective_bytes"])
+    assert row["minimum_total_bytes"] == pytest.approx(want["minimum_total_bytes"]), b.name
