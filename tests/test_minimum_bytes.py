@@ -167,7 +167,7 @@ def test_a_composed_layout_adds_its_axes():
 def test_the_anchors_table_holds_each_row_to_its_own_context_parallel_algorithm():
   """benchmarks/step_time_anchors.py computes a row's minimum with its compute settings: the
   Ulysses rows' context axis is Ulysses' all-to-alls, not the ring's K/V passes (until the
-  twenty-third session it was the ring's, a third less for Llama-3.1-8B's 8 kv heads). And every
+  twenty-third session it was the ring's, 40% less for Llama-3.1-8B's 8 kv heads). And every
   committed row's minimum is what the code computes for it now."""
   anchors = {a.name: a for a in ANCHORS}
   a = anchors["NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses"]
@@ -178,8 +178,9 @@ def test_the_anchors_table_holds_each_row_to_its_own_context_parallel_algorithm(
   mine = step_time_anchors.minimum_fields(a, layout, 1.0)["minimum_bytes"]
   precision = cfg.precision()
   assert mine == minimum_bytes(ulysses, layout, a.seq_len, precision)
-  # 32 microbatches x 32 layers x (4 + 4) all-to-alls x 1/2 of 4,096 tokens x (32 + 8 heads) x
-  # (128 + 128) x 2 bytes; the ring's 3 passes of K/V over 1 hop: 3 x 4,096 x 8 x 256 x 2.
+  # 32 microbatches x 32 layers x 2 passes (the forward's 4 all-to-alls, the backward's 4) x 1/2
+  # sent of 4,096 tokens x (32 + 8 heads) x (128 + 128) x 2 bytes (q and k, v and the output);
+  # the ring's 3 passes of K and V over 1 hop: 3 x 4,096 tokens x 8 kv heads x 256 x 2 bytes.
   assert mine["context"] == 32 * 32 * 2 * 0.5 * 4096 * 40 * 256 * 2
   assert minimum_bytes(ring, layout, a.seq_len, precision)["context"] == \
       32 * 32 * 3 * 4096 * 8 * 256 * 2
