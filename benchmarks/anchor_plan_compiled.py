@@ -22,7 +22,7 @@ import json
 import os
 
 from benchmarks import anchor_planner
-from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, config
+from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, anchor_layout, config
 from sharding.layout import Layout
 from sharding.plan import hardware, planner
 from sharding.xla import compiled
@@ -53,7 +53,7 @@ def top_layouts(a: Anchor) -> tuple[str, int | None, list]:
   """(the anchor's layout string, its rank in the plan or None, the plan's first TOP
   candidates), with the planner asked as `anchor_planner.planner_fields` asks it."""
   cfg = config(a)
-  layout = cfg.layout(compiled.parse_gpu_target(a.target).num_devices)
+  layout = anchor_layout(a)
   result = planner.plan(cfg.model, a.gpus, a.seq_len, a.batch_size * a.seq_len,
                         cfg.precision(), hardware.PROFILES["h100"])
   names = [c.layout.string() for c in result.ranked]

@@ -20,6 +20,7 @@ import dataclasses
 from configs import llama, moe
 from models.fp8.config import Fp8Config
 from sharding.mesh import MeshConfig
+from sharding.xla import compiled
 
 MEGATRON_BRIDGE = "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100"
 FP8_CS = "fp8 current scaling (meshtron: tensorwise)"
@@ -222,3 +223,8 @@ def config(a: Anchor):
     cfg.model = dataclasses.replace(cfg.model, param_dtype="bfloat16")
     cfg.optim = dataclasses.replace(cfg.optim, master_weights=True)
   return cfg
+
+
+def anchor_layout(a: Anchor):
+  """The Layout `config(a)` resolves to on the anchor's cluster."""
+  return config(a).layout(compiled.parse_gpu_target(a.target).num_devices)

@@ -22,7 +22,7 @@ import os
 import time
 
 from benchmarks import anchor_plan_compiled, anchor_planner
-from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, config
+from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, anchor_layout, config
 from benchmarks.report import replace_section
 from sharding.plan.estimate import model_spec
 from sharding.plan.minimum import minimum_bytes
@@ -106,7 +106,7 @@ def refresh(path: str) -> None:
     a = anchors[r["anchor"]]
     r.update(_row(a))
     if r["status"] == "compiled":
-      layout = config(a).layout(compiled.parse_gpu_target(a.target).num_devices)
+      layout = anchor_layout(a)
       r.update(minimum_fields(a, layout, r["collective_bytes"]))
       r.update(anchor_planner.planner_fields(a, layout, r["predicted_tokens_per_s_per_gpu"]))
   with open(path, "w") as f:

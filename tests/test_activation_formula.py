@@ -94,8 +94,7 @@ def test_the_compiled_formula_tracks_every_anchor_programs_peak():
   row, where the `llama` terms read up to 1.62x (torchtitan's selective 8B). The lowest are the
   DeepSeek-V3 rows (MoE under pipeline and expert axes: the receive buffers and stage stashes
   the formulas do not count)."""
-  from benchmarks.anchor_recipes import ANCHORS, config
-  from sharding.xla import compiled
+  from benchmarks.anchor_recipes import ANCHORS, anchor_layout, config
 
   rows = {r["anchor"]: r for r in results("step_time_anchors.jsonl")
           if r.get("status") == "compiled"}
@@ -104,7 +103,7 @@ def test_the_compiled_formula_tracks_every_anchor_programs_peak():
     if a.name not in rows:
       continue
     cfg = config(a)
-    layout = cfg.layout(compiled.parse_gpu_target(a.target).num_devices)
+    layout = anchor_layout(a)
     spec = estimate.model_spec(cfg.model, cfg.compute)
     peak = rows[a.name]["compiled_peak_gib"] * 2**30
     ratios[a.name] = {f: estimate.memory(spec, layout, a.seq_len, cfg.precision(), formula=f,

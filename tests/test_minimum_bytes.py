@@ -8,11 +8,10 @@ import json
 import pytest
 
 from benchmarks import step_time_anchors
-from benchmarks.anchor_recipes import ANCHORS, config
+from benchmarks.anchor_recipes import ANCHORS, anchor_layout, config
 from sharding.layout import Layout
 from sharding.plan.estimate import ModelSpec, MoESpec, Precision, model_spec
 from sharding.plan.minimum import AXES, minimum_bytes, minimum_total
-from sharding.xla import compiled
 
 # D 8, 2 layers, 2 heads (= kv heads) of 4, MLP 16, vocab 100, untied:
 #   a layer's attention 2 (q, o) x 8 x 2 x 4 + 2 (k, v) x 8 x 2 x 4 = 256, its MLP 3 x 8 x 16 = 384:
@@ -172,7 +171,7 @@ def test_the_anchors_table_holds_each_row_to_its_own_context_parallel_algorithm(
   anchors = {a.name: a for a in ANCHORS}
   a = anchors["NeMo Llama-3.1-8B, TP1 CP2, meshtron's Ulysses"]
   cfg = config(a)
-  layout = cfg.layout(compiled.parse_gpu_target(a.target).num_devices)
+  layout = anchor_layout(a)
   ulysses, ring = model_spec(cfg.model, cfg.compute), model_spec(cfg.model)
   assert (ulysses.context_impl, ring.context_impl) == ("ulysses", "ring")
   mine = step_time_anchors.minimum_fields(a, layout, 1.0)["minimum_bytes"]
@@ -189,6 +188,5 @@ def test_the_anchors_table_holds_each_row_to_its_own_context_parallel_algorithm(
     if row["status"] != "compiled":
       continue
     b = anchors[row["anchor"]]
-    lay = config(b).layout(compiled.parse_gpu_target(b.target).num_devices)
-    want = step_time_anchors.minimum_fields(b, lay, row["collective_bytes"])
+    want = step_time_anchors.minimum_fields(b, anchor_layout(b), row["collective_bytes"])
     assert row["minimum_total_bytes"] == pytest.approx(want["minimum_total_bytes"]), b.name
