@@ -79,7 +79,9 @@ _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across e
 _AS_IF_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, exchange buffers of exactly a device pair's balanced"
                    " share (exchange_capacity=1), predicted for one round, which only forced"
-                   " balance guarantees (its real router's excess would run more rounds)")
+                   " balance guarantees (its real router's excess would run more rounds); the"
+                   " first round's residuals kept (keep_first_round: its backward runs neither"
+                   " the exchange nor the experts again)")
 
 ANCHORS = (
     Anchor("MaxText Llama-2-70B, FSDP 64", "NVIDIA dgxc-benchmarking, maxtext/README_70b.md"
@@ -171,7 +173,7 @@ ANCHORS = (
            f"{MEGATRON_BRIDGE}: as the row above", "26.06 (the figure of the row above)", 8_826,
            FP8_CS, "qwen3_30b_a3b", 16, dict(expert=16, zero_stage=1), 1024, 4096, 64, "none",
            "as the row above", compute=_fp8(), routing=_AS_IF_BALANCED, master_weights=True,
-           moe=(("exchange_capacity", 1.0),)),
+           moe=(("exchange_capacity", 1.0), ("keep_first_round", True))),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"

@@ -3,6 +3,7 @@ and back in rounds of at most `capacity` rows per device pair, by all_to_all of 
 by ragged_all_to_all (GPUs), with the received rows regrouped by expert for the grouped matmul.
 Every device runs as many rounds as the heaviest pair needs, so nothing is dropped."""
 
+import contextlib
 import functools
 import math
 
@@ -70,13 +71,23 @@ def _ceil_div(a, b):
   return (a + b - 1) // b
 
 
-def exchange_rows(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchange, sync_axes):
+# The name scope of the loops that run only the rounds after the first (forward and backward),
+# under keep_first_round: the compiled-program analysis (sharding/xla/hlo.trip_count) counts them
+# 0 times, the predicted case of an exchange whose every device pair is within its capacity.
+OVERFLOW_ROUNDS = "exchange_overflow_rounds"
+
+
+def exchange_rows(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchange, sync_axes,
+                  keep_first_round=False):
   """Tokens to the devices of their experts and back, in rounds of at most `capacity` rows per
   device pair: round r moves rows [r·capacity, (r+1)·capacity) of each pair's share. Every
   device in `sync_axes` runs as many rounds as the heaviest pair needs, so nothing is dropped
   and the buffers are sized by `capacity`, not by the worst case. `capacity` == `worst` (the
   most one device can send another) is one round, differentiated as it is written; fewer rows
-  run a while loop of rounds under `_rounds`' custom gradient."""
+  run a while loop of rounds under `_rounds`' custom gradient, which recomputes each round in
+  the backward. `keep_first_round`: the first round outside the loop, differentiated as it is
+  written (its received rows and expert activations kept as the layer's remat policy says), the
+  loop running only the rounds after it."""
   round_fn = functools.partial(_ROUNDS[exchange], expert_fn=expert_fn, axes=axes,
                                capacity=capacity)
   if capacity >= worst:
@@ -84,40 +95,53 @@ def exchange_rows(x_sorted, counts, params, expert_fn, axes, capacity, worst, ex
   n = size_of(axes)
   heaviest = jnp.max(jnp.sum(counts.reshape(n, -1), axis=1)).astype(jnp.int32)
   rounds = _ceil_div(jax.lax.pmax(varying_over(heaviest, sync_axes), sync_axes), capacity)
+  first = (round_fn(x_sorted, counts, params, 0) if keep_first_round
+           else jnp.zeros_like(x_sorted))
   # Named (kept by remat="none", models/compute.py): else the backward would run the forward's
   # rounds again only to have their output.
-  return keep(_rounds(round_fn, varying_over(jnp.zeros_like(x_sorted), sync_axes), rounds,
+  return keep(_rounds(round_fn, int(keep_first_round), varying_over(first, sync_axes), rounds,
                       x_sorted, counts, *params))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
-  """sum over r < rounds of round_fn(x_sorted, counts, params, r), in a while loop: its trip
-  count is the data's, so autodiff cannot reverse it; the backward below runs the rounds again,
-  each round's forward recomputed inside its vjp (residuals: the inputs only)."""
-  return _per_replica(functools.partial(_forward_rounds, round_fn))(
-      zeros, rounds, x_sorted, counts, *params)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rounds(round_fn, start, done, rounds, x_sorted, counts, *params):
+  """`done` (the rows of the rounds before `start`: zeros, or the first round's) plus
+  round_fn(x_sorted, counts, params, r) for start <= r < rounds, in a while loop: its trip count
+  is the data's, so autodiff cannot reverse it; the backward below runs those rounds again,
+  each round's forward recomputed inside its vjp (residuals: the inputs only). The rounds write
+  disjoint rows, so `done`'s gradient is the output's."""
+  return _per_replica(functools.partial(_forward_rounds, round_fn, start))(
+      done, rounds, x_sorted, counts, *params)
 
 
-def _forward_rounds(round_fn, zeros, rounds, x_sorted, counts, *params):
+def _loop_scope(start):
+  """The loop of the rounds after the first alone is named for the analysis (OVERFLOW_ROUNDS)."""
+  return jax.named_scope(OVERFLOW_ROUNDS) if start else contextlib.nullcontext()
+
+
+def _forward_rounds(round_fn, start, done, rounds, x_sorted, counts, *params):
   # Typed like the rows too: one replica's rows (per_replica) vary over the vmapped mesh axis.
-  zeros = varying_over(zeros, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
+  done = varying_over(done, tuple(jax.typeof(x_sorted).manual_axis_type.varying))
 
   def body(carry):  # each round writes its rows of y, which no other round writes, in place
     r, y = carry
     return r + 1, round_fn(x_sorted, counts, params, r, into=y)
-  return jax.lax.while_loop(lambda c: c[0] < rounds, body, (jnp.zeros_like(rounds), zeros))[1]
+  with _loop_scope(start):
+    return jax.lax.while_loop(lambda c: c[0] < rounds, body,
+                              (jnp.full_like(rounds, start), done))[1]
 
 
-def _backward_rounds(round_fn, rounds, x_sorted, counts, g, *params):
+def _backward_rounds(round_fn, start, rounds, x_sorted, counts, g, *params):
   def body(carry):
     r, dx, dparams = carry
     _, pullback = jax.vjp(lambda x, p: round_fn(x, counts, p, r), x_sorted, params)
     ddx, ddparams = pullback(g)
     return r + 1, dx + ddx, jax.tree.map(jnp.add, dparams, ddparams)
 
-  init = (jnp.zeros_like(rounds), jnp.zeros_like(x_sorted), jax.tree.map(jnp.zeros_like, params))
-  _, dx, dparams = jax.lax.while_loop(lambda c: c[0] < rounds, body, init)
+  init = (jnp.full_like(rounds, start), jnp.zeros_like(x_sorted),
+          jax.tree.map(jnp.zeros_like, params))
+  with _loop_scope(start):
+    _, dx, dparams = jax.lax.while_loop(lambda c: c[0] < rounds, body, init)
   return dx, *dparams
 
 
@@ -138,16 +162,20 @@ def _per_replica(fn):
   return wrapped
 
 
-def _rounds_forward(round_fn, zeros, rounds, x_sorted, counts, *params):
-  y = _rounds(round_fn, zeros, rounds, x_sorted, counts, *params)
-  return y, keep((rounds, x_sorted, counts, params))
+def _rounds_forward(round_fn, start, done, rounds, x_sorted, counts, *params):
+  y = _rounds(round_fn, start, done, rounds, x_sorted, counts, *params)
+  if start:  # the rows and weights left to the layer's remat policy (a gather, a broadcast to
+    # recompute), as the first round's own backward needs neither: kept, they held 6 GiB more
+    # at Qwen3-30B-A3B EP16's peak. (The loop of every round keeps them, as it was measured.)
+    return y, (*keep((rounds, counts)), x_sorted, params)
+  return y, (*keep((rounds, counts)), *keep((x_sorted, params)))
 
 
-def _rounds_backward(round_fn, residuals, g):
-  rounds, x_sorted, counts, params = residuals
-  dx, *dparams = _per_replica(functools.partial(_backward_rounds, round_fn))(
+def _rounds_backward(round_fn, start, residuals, g):
+  rounds, counts, x_sorted, params = residuals
+  dx, *dparams = _per_replica(functools.partial(_backward_rounds, round_fn, start))(
       rounds, x_sorted, counts, g, *params)
-  return (None, None, dx, None, *dparams)
+  return (g if start else None, None, dx, None, *dparams)
 
 
 _rounds.defvjp(_rounds_forward, _rounds_backward)

@@ -120,6 +120,7 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
     return _per_device(x, ids, weights, *local_params, expert_axes=expert_axes,
                        partial_axes=partial_axes, exchange=layout.exchange,
                        exchange_capacity=layout.exchange_capacity, sync_axes=axes.every,
+                       keep_first_round=layout.keep_first_round,
                        **static)
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
@@ -168,7 +169,8 @@ _batch_like.defvjp(lambda w, x: (_batch_like(w, x), None), lambda _, g: (g, None
 
 
 def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,
-                partial_axes, exchange, exchange_capacity=0.0, sync_axes=()):
+                partial_axes, exchange, exchange_capacity=0.0, sync_axes=(),
+                keep_first_round=False):
   """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
   b, l, d = x_BLD.shape
   k = ids_BLk.shape[-1]
@@ -195,7 +197,7 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
     capacity = worst if not exchange_capacity else min(
         worst, max(1, math.ceil(exchange_capacity * assignments / n)))
     y_sorted = exchange_rows(x_sorted, counts, params, expert_fn, expert_axes, capacity,
-                             worst, exchange, sync_axes)
+                             worst, exchange, sync_axes, keep_first_round)
   y = permuted(y_sorted, back, order).reshape(tokens, k, d)
   y = jnp.sum(y * weights_BLk.reshape(tokens, k, 1).astype(y.dtype), axis=1)
   if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums

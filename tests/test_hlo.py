@@ -188,6 +188,27 @@ def test_nested_while_trip_counts():
                                    "payload_bytes": 12 * 32}
 
 
+def test_the_exchanges_later_rounds_run_no_times_in_the_prediction():
+  """The same loose loop (no known trip count: taken as 1, flagged) named by JAX's op_name as
+  the MoE exchange's rounds after the first (sharding/exchange_rounds.OVERFLOW_ROUNDS) runs 0
+  times: the predicted case, every device pair within its capacity, never enters it."""
+  from sharding.exchange_rounds import OVERFLOW_ROUNDS
+
+  scope = f'jit(step)/jvp()/shard_map/{OVERFLOW_ROUNDS}/while'
+  text = _NESTED.replace("body=%loose_body",
+                         f'body=%loose_body, metadata={{op_name="{scope}"}}')
+  assert text != _NESTED
+  by_name = {c.name: c for c in hlo.collectives(text)}
+  assert (by_name["a2a"].count, by_name["a2a"].unknown_trip_count) == (0, False)
+  assert by_name["ar"].count == 12  # the other loops as before
+  # As the step-time model prices it too: the loop's bytes drop out, not counted once.
+  before, after = (branches.costliest_branch_wire_bytes(t) for t in (_NESTED, text))
+  assert before["all-to-all"] > 0 and "all-to-all" not in after
+  assert after["all-reduce"] == before["all-reduce"]
+  (loose,) = [i for i in hlo.computations(text)["main"] if i.name == "loose"]
+  assert hlo.unrun(loose) and loose.op_name == scope and "metadata" not in loose.attrs
+
+
 _TICKS = """\
 HloModule ticks, num_partitions=4
 

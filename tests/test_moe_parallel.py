@@ -71,6 +71,16 @@ LAYOUTS = {
     "expert=4,data=2,dropless,ga=2,exchange_capacity=0.25": (
         M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25),
         dict(microbatches=2)),
+    # The first round outside the loop, differentiated as written (model.moe.keep_first_round),
+    # the loop running the rounds after it; under the replicas' vmap, and under remat=full,
+    # whose checkpoint runs the first round's forward again in the backward.
+    "expert=4,data=2,dropless,ga=2,exchange_capacity=0.25,keep_first_round": (
+        M(expert=4, data=2),
+        dataclasses.replace(MOE, exchange_capacity=0.25, keep_first_round=True),
+        dict(microbatches=2)),
+    "expert=8,dropless,exchange_capacity=0.25,keep_first_round,remat=full": (
+        M(expert=8), dataclasses.replace(MOE, exchange_capacity=0.25, keep_first_round=True),
+        dict(remat="full")),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
     # Under sequence parallelism the experts split over expert x tensor, each device routing
@@ -129,9 +139,11 @@ def test_experts_over_an_axis_that_leaves_the_tokens_whole_are_refused():
 
 
 @functools.lru_cache(maxsize=None)
-def ep_program(dispatch: str, exchange_capacity: float = MOE.exchange_capacity):
+def ep_program(dispatch: str, exchange_capacity: float = MOE.exchange_capacity,
+               keep_first_round: bool = False):
   moe = dataclasses.replace(MOE, dispatch=dispatch, capacity_factor=1.0, first_dense_layers=0,
-                            exchange_capacity=exchange_capacity)
+                            exchange_capacity=exchange_capacity,
+                            keep_first_round=keep_first_round)
   return hlo.collectives(harness.compile_step(M(expert=8), moe=moe).as_text())
 
 
@@ -184,6 +196,26 @@ def test_dropless_exchange_runs_rounds_of_capacity_sized_buffers():
   assert all(c.unknown_trip_count for c in rows)
   worst_bytes = 8 * worst * cfg.embed_dim * 4
   assert not [c for c in ep_program("dropless") if c.bytes >= worst_bytes]
+
+
+def test_a_kept_first_round_runs_four_exchanges_and_the_later_rounds_none_predicted():
+  """model.moe.keep_first_round: the first round differentiated as written, there and back in
+  the forward and both transposes in the backward, once per MoE layer (the fifth exchange, the
+  way there run again to recompute the round, is gone); the rounds after it still in while loops
+  of the same 5 exchanges (a pair over its capacity runs them), which the analysis counts 0
+  times: the predicted case, every pair within its capacity (hlo.unrun)."""
+  cfg = harness.config(M(), moe=dataclasses.replace(MOE, first_dense_layers=0)).model
+  tokens = harness.BATCH * harness.SEQ // 8
+  buffer = 8 * math.ceil(2.0 * tokens * MOE.experts_per_token / 8) * cfg.embed_dim * 4
+  rows = {keep: [c for c in ep_program("dropless", keep_first_round=keep)
+                 if c.kind == "all-to-all" and c.dtype == "f32"] for keep in (False, True)}
+  assert sorted(c.bytes for c in rows[True]) == [buffer] * 9
+  assert sorted(c.count for c in rows[True]) == [0] * 5 + [cfg.moe_layers()] * 4
+  assert not any(c.unknown_trip_count for c in rows[True])
+  # Without it: the loop of every round, its 5 exchanges counted once per MoE layer (one round).
+  assert len(rows[False]) == 5 and all(c.unknown_trip_count for c in rows[False])
+  moved = {keep: sum(c.total_wire_bytes for c in rows[keep]) for keep in rows}
+  assert moved[True] == 4 / 5 * moved[False] > 0
 
 
 def test_ragged_all_to_all_compiles_for_8_h100s(tmp_path):

@@ -29,7 +29,8 @@ def costliest_branch_wire_bytes(hlo_text: str, num_devices: int | None = None) -
         continue  # the matching -start already names the same callee
       inner = [total(c, seen | {comp}) for c in hlo.callees(ins) if c in comps]
       if ins.op == "while":
-        trip = hlo.trip_count(ins, comps, comp) or 1
+        trip = hlo.trip_count(ins, comps, comp)
+        trip = 1 if trip is None else trip
         inner = [collections.Counter({k: v * trip for k, v in part.items()}) for part in inner]
       elif ins.op == "conditional":
         inner = [max(inner, key=lambda part: sum(part.values()), default=collections.Counter())]

@@ -5,6 +5,9 @@ import dataclasses
 import math
 import re
 
+from sharding.exchange_rounds import OVERFLOW_ROUNDS
+from sharding.xla import replica_groups
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all")
 
@@ -18,14 +21,8 @@ _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _ONE_CALLEE = re.compile(r"\b(?:calls|to_apply|\w+_computation|select|scatter)=%?([\w.\-]+)")
 _MANY_CALLEES = re.compile(r"\b(?:calls|branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE_PART = re.compile(r"\b(body|condition)=%?([\w.\-]+)")
-_EXPLICIT = re.compile(r"replica_groups=\{(\{[\d,\s]*\})?")
-_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
-_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
-_MESH_AXIS = re.compile(r"'?([\w.]+)'?\s*=\s*(\d+)")
-_GROUP_AXIS = re.compile(r"'?([\w.]+)'?(?::\((\d+)\)(\d+))?")
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
-_PAIR = re.compile(r"\{(\d+),(\d+)\}")
 _OP_NAME = re.compile(r'%([\w.\-]+) = .*?op_name="([^"]*)"')
+_LOOP_NAME = re.compile(r'op_name="([^"]*)"')
 
 _SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
@@ -94,8 +91,9 @@ class Collective:
     return self.wire_bytes * self.count
 
 
-# One instruction: result type (comments stripped) and attributes (metadata stripped).
-Instr = _Instr = collections.namedtuple("Instr", "name type op attrs")
+# One instruction: result type (comments stripped), attributes (metadata stripped) and, for a
+# while loop, the JAX op_name its metadata records (`unrun`).
+Instr = _Instr = collections.namedtuple("Instr", "name type op attrs op_name", defaults=("",))
 
 
 def _close(text: str) -> int:
@@ -164,7 +162,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
     type_str, tail = rest[:end], rest[end:]
     if op := _OPCODE.match(tail):
       attrs = _METADATA.sub("", tail[op.end():])
-      comps[comp].append(_Instr(m.group("name"), type_str, op.group("op"), attrs))
+      loop = _LOOP_NAME.search(tail) if op.group("op") == "while" else None
+      comps[comp].append(_Instr(m.group("name"), type_str, op.group("op"), attrs,
+                                loop.group(1) if loop else ""))
   return comps, header
 
 
@@ -213,7 +213,9 @@ def trip_count(ins: Instr, comps: dict[str, list[Instr]], comp: str) -> int | No
   """Iterations of while loop `ins` (in computation `comp`): its known_trip_count, else read from
   its condition, `induction < constant` with the induction variable's initial value a constant
   (XLA leaves the count out of loops it rewrote, e.g. the gradient-accumulation loop once its
-  first iteration is peeled); None if neither says."""
+  first iteration is peeled); None if neither says; 0 for a loop the prediction never enters."""
+  if unrun(ins):
+    return 0
   if trip := _TRIP.search(ins.attrs):
     return int(trip.group(1))
   parts = dict(_WHILE_PART.findall(ins.attrs))
@@ -230,6 +232,12 @@ def trip_count(ins: Instr, comps: dict[str, list[Instr]], comp: str) -> int | No
   index = int(m.group(1)) if (m := _INDUCTION.search(ins.attrs)) else 0
   init = _constant_of(comps.get(comp, []), operands(ins)[:1], index)
   return None if bound is None or init is None else max(0, bound - init)
+
+
+def unrun(ins: Instr) -> bool:
+  """A loop of the MoE exchange's rounds after the first (sharding/exchange_rounds.py), which the
+  predicted case, every device pair within its capacity, never enters."""
+  return OVERFLOW_ROUNDS in ins.op_name
 
 
 def _constant_of(instrs: list[Instr], names: list[str], index: int) -> int | None:
@@ -297,42 +305,6 @@ def executions(comps: dict[str, list[_Instr]]
   return count, unknown, async_comps
 
 
-def _module_devices(header: str) -> int | None:
-  found = {k: int(v) for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)", header)}
-  return found.get("num_partitions", 1) * found.get("replica_count", 1) if found else None
-
-
-def _group_size(ins: _Instr, all_devices: int | None) -> int:
-  """N from whichever replica_groups syntax the instruction uses."""
-  if m := _IOTA.search(ins.attrs):  # [groups,size]<=[...]T(...)
-    return int(m.group(2))
-  if m := _MESH.search(ins.attrs):  # mesh['a'=2,'b'=4] {'b'} or {'a':(1)2}
-    sizes = {name: int(size) for name, size in _MESH_AXIS.findall(m.group(1))}
-    n = 1
-    for item in filter(None, (s.strip() for s in m.group(2).split(","))):
-      axis = _GROUP_AXIS.fullmatch(item)
-      n *= int(axis.group(3)) if axis.group(3) else sizes[axis.group(1)]
-    return n
-  m = _EXPLICIT.search(ins.attrs)
-  if m and m.group(1) and m.group(1) != "{}":
-    return len(re.findall(r"\d+", m.group(1)))
-  if all_devices is None:  # {} (or none) means every device, and the header does not say how many
-    raise ValueError(f"{ins.name}: replica_groups={{}} needs num_devices (no num_partitions or"
-                     " replica_count in the HloModule header)")
-  return all_devices
-
-
-def _permute_group_size(ins: _Instr) -> int:
-  """Devices in the connected component of source_target_pairs that holds the first pair."""
-  m = _PAIRS.search(ins.attrs)
-  pairs = [{int(a), int(b)} for a, b in _PAIR.findall(m.group(1))] if m else []
-  group, size = set(pairs[0]) if pairs else set(), -1
-  while len(group) != size:
-    size = len(group)
-    group = group.union(*(p for p in pairs if p & group))
-  return max(size, 1)
-
-
 def _payload(kind: str, is_start: bool, type_str: str) -> str:
   """The part of the result type that the byte formula of `kind` is about."""
   if not is_start or kind == "all-reduce":
@@ -362,7 +334,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   """
   comps, header = _parse(hlo_text)
   count, unknown, async_comps = executions(comps)
-  all_devices = _module_devices(header) or num_devices
+  all_devices = replica_groups.module_devices(header) or num_devices
   out = []
   for comp, instrs in comps.items():
     for ins in instrs:
@@ -372,7 +344,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         continue
       leaves = _leaves(_payload(kind, is_start, ins.type))
       permute = kind == "collective-permute"
-      n = _permute_group_size(ins) if permute else _group_size(ins, all_devices)
+      n = replica_groups.permute_group_size(ins) if permute else replica_groups.group_size(
+          ins, all_devices)
       nbytes = bytes_of(leaves) * (n if kind == "reduce-scatter" else 1)
       dtype, shape = leaves[0] if leaves else ("", ())
       out.append(Collective(kind=kind, dtype=dtype, shape=shape, bytes=nbytes, group_size=n,

@@ -70,7 +70,7 @@ class _Costs:
         return 0.0
       k = math.prod(lhs[0][1][int(d)] for d in dims.group(1).split(",") if d)
       return 2.0 * math.prod(out[0][1]) * k
-    trip = 1
+    trip = 0 if hlo.unrun(ins) else 1
     if ins.op == "while" and (m := _TRIP.search(ins.attrs)):
       trip = int(m.group(1))
     body = _WHILE_BODY.search(ins.attrs)
