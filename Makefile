@@ -85,8 +85,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.report --results $(RESULTS) --doc docs/results.md
 
 # Issue [26]'s anchors table: published recipes compiled deviceless for their own clusters
-# (benchmarks/anchor_recipes.py), then its section of docs/planning.md; about 12 minutes of
-# compiles on 2 cores. The "before" rows are kept as committed. Not part of `make test`.
+# (benchmarks/anchor_recipes.py), then its section of docs/planning.md; about 30 minutes of
+# compiles on 2 cores (the rows' compile_s; DeepSeek-V3's alone 16). The "before" rows are kept as committed. Not part of `make test`.
 .PHONY: anchors
 anchors: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.step_time_anchors --doc docs/planning.md

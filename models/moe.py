@@ -155,9 +155,9 @@ class Experts(nnx.Module):
     else:  # the hidden dim: gate/up's output columns, down's contraction
       every = axes.every
       in_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
-          n=axes.hidden, rows=axes.rows, every=every))
+          n=axes.hidden, rows=axes.rows, every=every), True)
       out_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
-          k=axes.hidden, rows=axes.rows, every=every))
+          k=axes.hidden, rows=axes.rows, every=every), False)
     hidden = jax.nn.silu(in_matmul(x_AD, gate, group_sizes))
     hidden = hidden * in_matmul(x_AD, up, group_sizes)
     return out_matmul(hidden, down, group_sizes)

@@ -108,7 +108,7 @@ def test_grouped_fp8_equals_numpy_simulation(recipe, impl):
   x, w, sizes, c = operands()
   group_sizes = jnp.asarray(sizes, jnp.int32)
   got = jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(*jax.vjp(
-      lambda x, w: quantized_grouped(recipe, impl, GemmAxes(), x, w, group_sizes), x, w)))(
+      lambda x, w: quantized_grouped(recipe, impl, GemmAxes(), True, x, w, group_sizes), x, w)))(
           x, w, c)
   exact_y, pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(
       x, w, group_sizes, precision=jax.lax.Precision.HIGHEST), x, w)

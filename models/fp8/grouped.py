@@ -132,28 +132,35 @@ def grouped_weight_gemm(impl: str, x, dy, group_sizes, x_scale, dy_scale, out_dt
   return (dw / scale).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def quantized_grouped(recipe: str, impl: str, axes: GemmAxes, x, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def quantized_grouped(recipe: str, impl: str, axes: GemmAxes, input_kept: bool, x, w,
+                      group_sizes):
   """ragged_dot(x, w, group_sizes) in fp8 with current scaling (`recipe` in RECIPES).
 
   x: [M, K] rows sorted by group, the compute dtype (the result's); w: [G, K, N] (dW's dtype).
   Differentiating gives dx and dW from fp8 GEMMs with the output gradient in e4m3 (GRAD).
+  `input_kept`: x's fp8 copy (rowwise: x) is named for remat="none" to keep; False where x is
+  cheap to make again from what the layer keeps anyway (the down projection's input, the SwiGLU
+  product of the kept gate and up outputs): the backward then makes it again instead of the
+  layer holding it (tests/test_fp8_expert_residuals.py).
   """
-  return _forward(recipe, impl, axes, x, w, group_sizes)[0]
+  return _forward(recipe, impl, axes, input_kept, x, w, group_sizes)[0]
 
 
-def _forward(recipe, impl, axes, x, w, group_sizes):
+def _forward(recipe, impl, axes, input_kept, x, w, group_sizes):
   qx, sx = quantize_rows(recipe, x, axes.k, axes.every, E4M3)
   qw, sw = quantize_weight(recipe, w, 1, axes.k, axes.every, E4M3)
   y = grouped_gemm(impl, qx, qw, group_sizes, sx, sw, x.dtype)
   # tensorwise: the fp8 operands (1 byte per element), whose one scale serves every GEMM;
   # rowwise: x and w as given, because dx and dW scale them along other dims (fp8_current.py).
   saved = (qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)
-  # Kept under remat="none", with the (scaled) output (kernels/residuals.py).
-  return keep(y), (keep(saved), group_sizes, jnp.zeros((), w.dtype))
+  # Kept under remat="none", with the (scaled) output (kernels/residuals.py); x's copy only
+  # where `input_kept` (else the remat policy decides, and recomputes it).
+  saved = (keep(saved[0]) if input_kept else saved[0], *keep(saved[1:]))
+  return keep(y), (saved, group_sizes, jnp.zeros((), w.dtype))
 
 
-def _backward(recipe, impl, axes, residuals, g):
+def _backward(recipe, impl, axes, input_kept, residuals, g):
   saved, group_sizes, w_zero = residuals
   if recipe == "tensorwise":
     qx, sx, qw, sw = saved
