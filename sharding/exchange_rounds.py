@@ -164,11 +164,12 @@ def _per_replica(fn):
 
 def _rounds_forward(round_fn, start, done, rounds, x_sorted, counts, *params):
   y = _rounds(round_fn, start, done, rounds, x_sorted, counts, *params)
-  if start:  # the rows and weights left to the layer's remat policy (a gather, a broadcast to
-    # recompute), as the first round's own backward needs neither: kept, they held 6 GiB more
-    # at Qwen3-30B-A3B EP16's peak. (The loop of every round keeps them, as it was measured.)
-    return y, (*keep((rounds, counts)), x_sorted, params)
-  return y, (*keep((rounds, counts)), *keep((x_sorted, params)))
+  # With the first round apart, the rows and weights are left to the layer's remat policy (a
+  # gather, a broadcast to recompute), as that round's own backward needs neither: kept, they
+  # held 6 GiB more at Qwen3-30B-A3B EP16's peak. (The loop of every round keeps them, as it
+  # was measured.)
+  inputs = (x_sorted, params) if start else keep((x_sorted, params))
+  return y, (*keep((rounds, counts)), *inputs)
 
 
 def _rounds_backward(round_fn, start, residuals, g):

@@ -5,9 +5,7 @@ two outputs, which the backward makes again (`quantized_grouped(..., input_kept=
 Qwen3-30B-A3B EP16 recipe that copy held [65,536, 768] per layer, 2.25 GiB over 48 layers."""
 
 import collections
-import contextlib
 import functools
-import io
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from models.compute import REMAT_POLICIES
 from models.fp8.grouped import RECIPES
 from tests import parallel_harness as harness
 from tests.test_fp8_experts import moe_layer
+from tests.test_models import saved_residuals
 from tests.test_moe_parallel import MOE
 
 
@@ -35,10 +34,7 @@ def saved_and_gradients(recipe):
     y = jax.checkpoint(lambda s: nnx.merge(graphdef, s)(x, "dropless")[0], policy=policy)(state)
     return jnp.sum(jnp.sin(y))
 
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    jax.ad_checkpoint.print_saved_residuals(loss, state)
-  saved = [line.split(" ")[0] for line in out.getvalue().splitlines()]
+  saved = [line.split(" ")[0] for line in saved_residuals(loss, state)]
   return saved, jax.jit(jax.grad(loss))(state)
 
 

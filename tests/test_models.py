@@ -146,7 +146,7 @@ def test_remat_gives_same_loss_and_grads(tiny_params, policy):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _saved_residuals(fn, *args) -> list[str]:
+def saved_residuals(fn, *args) -> list[str]:
   """What the backward of `fn` reads, one "dtype[shape] output of <op>" line each."""
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
@@ -167,10 +167,10 @@ def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_pa
   def loss(params):
     return jnp.mean(_apply(TINY, params, tokens, compute=unrolled).astype(jnp.float32) ** 2)
 
-  kept = _saved_residuals(loss, params)
+  kept = saved_residuals(loss, params)
   value, grads = jax.jit(jax.value_and_grad(loss))(params)
   monkeypatch.setitem(REMAT_POLICIES, "none", jax.checkpoint_policies.everything_saveable)
-  everything = _saved_residuals(loss, params)
+  everything = saved_residuals(loss, params)
   value_all, grads_all = jax.jit(jax.value_and_grad(loss))(params)
 
   elementwise = ("'silu'", " exp", " div", "'_where'", " integer_pow")
