@@ -54,10 +54,12 @@ def _scalar(ref, i):
   return ref[pl.ds(i, 1)][0]
 
 
-def _rows_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref, *refs, bm, bk, steps):
+def _rows_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref, *refs, bm, bk, steps,
+                 transposed):
   """Output tile (i, j): its rows through each group g in [first, last] that holds some of them,
   each row masked to its own group. `refs`: the output, or (fp8) the rows' reciprocal scales
-  [bm], the groups' reciprocal column scales [G, bn] and the output."""
+  [bm], the groups' reciprocal column scales [G, bn] and the output. `transposed`: w_ref holds
+  the weights as [G, bn, K], each tile transposed here."""
   i = pl.program_id(0)
   rows = i * bm + jnp.arange(bm)
   scaled, o_ref = len(refs) == 3, refs[-1]
@@ -68,7 +70,7 @@ def _rows_kernel(first_ref, last_ref, start_ref, end_ref, x_ref, w_ref, *refs, b
     def contract(kk, acc):
       x = x_ref[:, pl.ds(kk * bk, bk)]
       x = jnp.where(inside[:, None], x, jnp.zeros_like(x))
-      w = w_ref[g, pl.ds(kk * bk, bk), :]
+      w = w_ref[g, :, pl.ds(kk * bk, bk)].T if transposed else w_ref[g, pl.ds(kk * bk, bk), :]
       return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     if not scaled:  # one accumulator: rows outside g add exact zeros
       return lax.fori_loop(0, steps, contract, acc)
@@ -131,24 +133,30 @@ def _pad_to(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def _matmul(x, w, group_sizes, st: _Static, out_dtype, scales=()):
+def _matmul(x, w, group_sizes, st: _Static, out_dtype, scales=(), transposed=False):
   """The forward kernel over padded operands: x [M, K], w [G, K, N] -> [M, N]; `scales`: none,
-  or (fp8) the reciprocal scales of the rows [M] and of each group's columns [G, N]."""
+  or (fp8) the reciprocal scales of the rows [M] and of each group's columns [G, N].
+  `transposed`: w given as [G, N, K] (x @ w[g]^T), each tile transposed in the kernel: the
+  backward's dx reads the weights as they are stored. (A transpose outside made XLA store the
+  layer scan's whole stack of expert weights transposed, for the later rounds' backward:
+  3.4 GiB of the Qwen3-30B-A3B EP16 program, and its copy each microbatch.)"""
   b = st.blocks
   m, k = x.shape
-  n = w.shape[2]
+  n = w.shape[1 if transposed else 2]
   start, end, first, last, _, _ = _bounds(group_sizes, m, b.block_m)
   vec = lambda size: pl.BlockSpec((size,), lambda i, j: (0,))
-  kernel = functools.partial(_rows_kernel, bm=b.block_m, bk=b.block_k, steps=k // b.block_k)
+  kernel = functools.partial(_rows_kernel, bm=b.block_m, bk=b.block_k, steps=k // b.block_k,
+                             transposed=transposed)
   groups = w.shape[0]
+  w_spec = (pl.BlockSpec((groups, b.block_n, k), lambda i, j: (0, j, 0)) if transposed else
+            pl.BlockSpec((groups, k, b.block_n), lambda i, j: (0, 0, j)))
   scale_specs = [pl.BlockSpec((b.block_m,), lambda i, j: (i,)),
                  pl.BlockSpec((groups, b.block_n), lambda i, j: (0, j))][:len(scales)]
   return _pallas(
       kernel, st, "grouped_matmul_fp8" if scales else "grouped_matmul",
       grid=(m // b.block_m, n // b.block_n),
       in_specs=[vec(first.shape[0]), vec(last.shape[0]), vec(groups), vec(groups),
-                pl.BlockSpec((b.block_m, k), lambda i, j: (i, 0)),
-                pl.BlockSpec((groups, k, b.block_n), lambda i, j: (0, 0, j)), *scale_specs],
+                pl.BlockSpec((b.block_m, k), lambda i, j: (i, 0)), w_spec, *scale_specs],
       out_specs=pl.BlockSpec((b.block_m, b.block_n), lambda i, j: (i, j)),
       out_shape=out_type((m, n), out_dtype, x, w, group_sizes))(
           first, last, start, end, x, w, *scales)
@@ -188,8 +196,9 @@ def _grouped_fwd(x, w, group_sizes, st):
 
 def _grouped_bwd(st, residuals, dy):
   x, w, group_sizes = residuals
-  dx = _matmul(dy, jnp.swapaxes(w, 1, 2), group_sizes, dataclasses.replace(
-      st, blocks=GroupedBlocks(st.blocks.block_m, st.blocks.block_n, st.blocks.block_k)), x.dtype)
+  dx = _matmul(dy, w, group_sizes, dataclasses.replace(
+      st, blocks=GroupedBlocks(st.blocks.block_m, st.blocks.block_n, st.blocks.block_k)), x.dtype,
+      transposed=True)
   dw = _weight_grad(x, dy, group_sizes, st, w.dtype)
   return summed_like(dx, x), summed_like(dw, w), None
 
@@ -250,22 +259,26 @@ def _reciprocal(scale, shape, axis: int, multiple: int):
 
 
 def grouped_matmul_fp8(x, w, group_sizes, x_scale, w_scale, *, out_dtype,
-                       blocks: GroupedBlocks = GroupedBlocks(), interpret: bool | None = None):
+                       blocks: GroupedBlocks = GroupedBlocks(), interpret: bool | None = None,
+                       transposed: bool = False):
   """y[r] = x[r] @ w[g(r)] / (x_scale[r] w_scale[g(r)]) on fp8 operands (forward only).
 
   Args:
     x: [M, K] f8 rows sorted by group; w: [G, K, N] f8; group_sizes: [G] int.
     x_scale: [M] or a scalar, float32 (x ~ value x scale); w_scale: [G, N] or a scalar.
+    transposed: w given as [G, N, K]: y[r] = x[r] @ w[g(r)]^T (the backward's dx).
   Returns:
     [M, N] in out_dtype (float32 accumulation); rows past the groups give zeros.
   """
-  kn = _checked(x, w, group_sizes, blocks)
-  m, (groups, _, n) = x.shape[0], w.shape
+  stored = jax.ShapeDtypeStruct((w.shape[0], *w.shape[1:][::-1]), w.dtype) if transposed else w
+  kn = _checked(x, stored, group_sizes, blocks)
+  m, groups, n = x.shape[0], w.shape[0], w.shape[1 if transposed else 2]
   xp = _pad_to(_pad_to(x, 0, blocks.block_m), 1, kn)
   wp = _pad_to(_pad_to(w, 1, kn), 2, kn)
   scales = (_reciprocal(x_scale, (m,), 0, blocks.block_m),
             _reciprocal(w_scale, (groups, n), 1, kn))
-  return _matmul(xp, wp, group_sizes, _Static(blocks, interpret), out_dtype, scales)[:m, :n]
+  return _matmul(xp, wp, group_sizes, _Static(blocks, interpret), out_dtype, scales,
+                 transposed)[:m, :n]
 
 
 def grouped_weight_grad_fp8(x, dy, group_sizes, x_scale, dy_scale, *, out_dtype,

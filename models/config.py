@@ -51,6 +51,13 @@ class MoEConfig:
   # capacity) are recomputed. More memory: one round's buffers per layer (Qwen3-30B-A3B FP8
   # EP16, exchange_capacity 2: 65.2 -> 75.9 GiB). False: every round recomputed from its inputs.
   keep_first_round: bool = False
+  # The device's tokens split into this many equal chunks, each sorted, exchanged and run
+  # through its experts on its own, so XLA's scheduler can run one chunk's exchange behind
+  # another's expert matmuls (what Megatron's MoE all-to-all overlap and DeepSeek-V3's two
+  # micro-batches do by hand). Each chunk's exchange has its own rounds and buffers (capacity
+  # from its own rows); results are the same, only sums over rows (dW) in another order, and
+  # fp8 scales per chunk. 1: one exchange of all the tokens. With expert > 1 only.
+  exchange_chunks: int = 1
   # The dropless grouped matmul: "ragged_dot" (XLA's; on GPUs a dense GEMM over a masked copy
   # of the rows per expert, E times the FLOPs), "pallas" (kernels/grouped_matmul.py: each row
   # tile through its own experts only; Triton on GPUs, interpreted on CPU), "auto": pallas on
@@ -78,6 +85,8 @@ class MoEConfig:
                  "exchange_capacity"):
       if getattr(self, name) < 0:
         raise ValueError(f"model.moe.{name} must be >= 0, got {getattr(self, name)}")
+    if self.exchange_chunks < 1:
+      raise ValueError(f"model.moe.exchange_chunks must be >= 1, got {self.exchange_chunks}")
     if self.experts_per_token > self.num_experts:
       raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds"
                        f" model.moe.num_experts={self.num_experts}")

@@ -121,7 +121,7 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
                        partial_axes=partial_axes, exchange=layout.exchange,
                        exchange_capacity=layout.exchange_capacity, sync_axes=axes.every,
                        keep_first_round=layout.keep_first_round,
-                       **static)
+                       chunks=layout.exchange_chunks, **static)
 
   in_specs = (token_spec, choice_spec, choice_spec, *param_specs)
   if layout.in_pipeline_stage:
@@ -170,22 +170,49 @@ _batch_like.defvjp(lambda w, x: (_batch_like(w, x), None), lambda _, g: (g, None
 
 def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, expert_axes,
                 partial_axes, exchange, exchange_capacity=0.0, sync_axes=(),
-                keep_first_round=False):
-  """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix."""
+                keep_first_round=False, chunks=1):
+  """One device's tokens: sort by expert, run (locally or across `expert_axes`), unsort, mix;
+  with an exchange, in `chunks` independent chunks of the tokens (model.moe.exchange_chunks)."""
   b, l, d = x_BLD.shape
   k = ids_BLk.shape[-1]
-  tokens, assignments = b * l, b * l * k
+  tokens = b * l
   # Typed as varying over the split hidden dim's axes from here: the rows' gradient is a partial
   # sum over them, and the psum that ends it then runs on these [b*l, D] tokens, once, where the
   # experts' matmul would sum each round's received buffer (k x the exchange capacity x their
   # rows: DeepSeek-V3's [65536, 7168] over `tensor`, five times a tick).
-  x_BLD = varying_over(x_BLD, partial_axes)
-  expert = ids_BLk.reshape(assignments).astype(jnp.int32)
+  x_TD = varying_over(x_BLD, partial_axes).reshape(tokens, d)
+  ids_Tk, weights_Tk = ids_BLk.reshape(tokens, k), weights_BLk.reshape(tokens, k)
+  chunks = chunks if expert_axes else 1  # without an exchange there is nothing to overlap
+  if tokens % chunks:
+    raise LayoutError(f"moe: model.moe.exchange_chunks={chunks} does not divide a device's"
+                      f" {tokens} tokens (batch x sequence per device); pick a divisor")
+  size = tokens // chunks
+  run = functools.partial(_sorted_through_experts, params=params, expert_fn=expert_fn,
+                          num_experts=num_experts, expert_axes=expert_axes, exchange=exchange,
+                          exchange_capacity=exchange_capacity, sync_axes=sync_axes,
+                          keep_first_round=keep_first_round)
+  # Python-unrolled, not a loop: the chunks must be independent instructions of one
+  # computation for the scheduler to interleave them.
+  y = jnp.concatenate([run(x_TD[c * size:(c + 1) * size], ids_Tk[c * size:(c + 1) * size],
+                           weights_Tk[c * size:(c + 1) * size]) for c in range(chunks)])
+  if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
+    y = jax.lax.psum(y, partial_axes)
+  return y.reshape(b, l, d).astype(x_BLD.dtype)
+
+
+def _sorted_through_experts(x_TD, ids_Tk, weights_Tk, *, params, expert_fn, num_experts,
+                            expert_axes, exchange, exchange_capacity, sync_axes,
+                            keep_first_round):
+  """Tokens [T, D]: their k assignments sorted by expert, run, unsorted and mixed: [T, D]."""
+  tokens, d = x_TD.shape
+  k = ids_Tk.shape[-1]
+  assignments = tokens * k
+  expert = ids_Tk.reshape(assignments).astype(jnp.int32)
   order = jnp.argsort(expert, stable=True)  # assignments grouped by expert, token order kept
   back = inverse_of(order)
   # Each token's k copies, sorted (the broadcast fuses into the gather; its transpose, a sum
   # over the k copies, into the backward's gather, where x[order // k] would scatter-add).
-  x_sorted = permuted(jnp.broadcast_to(x_BLD.reshape(tokens, 1, d), (tokens, k, d)).reshape(
+  x_sorted = permuted(jnp.broadcast_to(x_TD.reshape(tokens, 1, d), (tokens, k, d)).reshape(
       assignments, d), order, back)
   counts = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
   params = [_batch_like(p, x_sorted) for p in params]
@@ -199,7 +226,4 @@ def _per_device(x_BLD, ids_BLk, weights_BLk, *params, expert_fn, num_experts, ex
     y_sorted = exchange_rows(x_sorted, counts, params, expert_fn, expert_axes, capacity,
                              worst, exchange, sync_axes, keep_first_round)
   y = permuted(y_sorted, back, order).reshape(tokens, k, d)
-  y = jnp.sum(y * weights_BLk.reshape(tokens, k, 1).astype(y.dtype), axis=1)
-  if partial_axes:  # expert_fn split its hidden dim: its outputs were partial sums
-    y = jax.lax.psum(y, partial_axes)
-  return y.reshape(b, l, d).astype(x_BLD.dtype)
+  return jnp.sum(y * weights_Tk.reshape(tokens, k, 1).astype(y.dtype), axis=1)

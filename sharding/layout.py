@@ -75,6 +75,7 @@ class Layout:
   exchange: str = "padded"  # the dropless MoE's token exchange ("ragged" on GPUs)
   exchange_capacity: float = 0.0  # its rows per device pair and round (model.moe's; 0: worst)
   keep_first_round: bool = False  # its first round's residuals kept (model.moe's)
+  exchange_chunks: int = 1  # the tokens exchanged in that many chunks apart (model.moe's)
   # Whether the model's loss is a sum over parts of a sequence, so each device can differentiate
   # its part apart (`gradient_sequence_axes`); not for the dropping MoE, whose capacity slots
   # are handed out along each whole sequence.

@@ -164,4 +164,5 @@ def _kernels(layout: Layout, platform: str, model, compute) -> Layout:
                       "pallas" if platform in GPU_PLATFORMS else "ragged_dot"),
       exchange=exchange if exchange != "auto" else "padded" if platform == "cpu" else "ragged",
       exchange_capacity=getattr(moe, "exchange_capacity", 0.0),
-      keep_first_round=getattr(moe, "keep_first_round", False))
+      keep_first_round=getattr(moe, "keep_first_round", False),
+      exchange_chunks=getattr(moe, "exchange_chunks", 1))

@@ -81,6 +81,13 @@ LAYOUTS = {
     "expert=8,dropless,exchange_capacity=0.25,keep_first_round,remat=full": (
         M(expert=8), dataclasses.replace(MOE, exchange_capacity=0.25, keep_first_round=True),
         dict(remat="full")),
+    # Each device's tokens exchanged in two chunks apart (model.moe.exchange_chunks), each with
+    # its own rounds (2 rows a pair: a quarter of a chunk's balanced 8) and kept first round,
+    # under the replicas' vmap.
+    "expert=4,data=2,dropless,ga=2,exchange_chunks=2,keep_first_round": (
+        M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25,
+                                                 keep_first_round=True, exchange_chunks=2),
+        dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
     # Under sequence parallelism the experts split over expert x tensor, each device routing

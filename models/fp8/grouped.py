@@ -105,10 +105,14 @@ def _per_row(scale, groups, num_groups):
   return scale[jnp.minimum(groups, num_groups - 1)]
 
 
-def grouped_gemm(impl: str, x, w, group_sizes, x_scale, w_scale, out_dtype):
-  """x [M, K] fp8 (scales [M] or scalar) @ w [G, K, N] fp8 (scales [G, N] or scalar) per group."""
+def grouped_gemm(impl: str, x, w, group_sizes, x_scale, w_scale, out_dtype, transposed=False):
+  """x [M, K] fp8 (scales [M] or scalar) @ w [G, K, N] fp8 (scales [G, N] or scalar) per group;
+  `transposed`: w given as [G, N, K], multiplied transposed (the Pallas kernel reads it as it is
+  stored, kernels/grouped_matmul.py says why)."""
   if impl == "pallas":
-    return grouped_matmul_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype=out_dtype)
+    return grouped_matmul_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype=out_dtype,
+                              transposed=transposed)
+  w = jnp.swapaxes(w, 1, 2) if transposed else w
   y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
   groups = group_ids(group_sizes, x.shape[0])
   row = x_scale[:, None] if x_scale.ndim else x_scale
@@ -165,14 +169,14 @@ def _backward(recipe, impl, axes, input_kept, residuals, g):
   if recipe == "tensorwise":
     qx, sx, qw, sw = saved
     qg, sg = quantize_rows(recipe, g, (), axes.every, GRAD)
-    dx = grouped_gemm(impl, qg, jnp.swapaxes(qw, 1, 2), group_sizes, sg, sw, g.dtype)
+    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, transposed=True)
     dw = grouped_weight_gemm(impl, qx, qg, group_sizes, sx, sg, w_zero.dtype)
     x, w = qx, qw
   else:
     x, w = saved
     qg, sg = quantize_rows(recipe, g, axes.n, axes.every, GRAD)
     qw, sw = quantize_weight(recipe, w, 2, axes.n, axes.every, E4M3)
-    dx = grouped_gemm(impl, qg, jnp.swapaxes(qw, 1, 2), group_sizes, sg, sw, g.dtype)
+    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, transposed=True)
     groups, num_groups = group_ids(group_sizes, x.shape[0]), w.shape[0]
     qx, sx = quantize_group_columns(x, groups, num_groups, axes.rows, E4M3)
     qg, sg = quantize_group_columns(g, groups, num_groups, axes.rows, GRAD)

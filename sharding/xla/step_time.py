@@ -292,7 +292,8 @@ class _Walk:
 def grouped_matmul_flops(ins: hlo.Instr, types: dict, weight_grad: bool) -> float:
   """2·M·K·N of a grouped matmul call over its buffer's M rows (the rows it may hold; the kernel
   skips the tiles past its groups, so under a padded exchange buffer this is an upper bound).
-  Rows x weights: out [M, N], weights [E, K, N]; dW: out [E, K, N], rows [M, K]."""
+  Rows x weights: out [M, N], rows [M, K], weights [E, K, N] (or [E, N, K], the backward's dx
+  reading them transposed); dW: out [E, K, N], rows [M, K]."""
   out = hlo.arrays(ins.type)
   shapes = [s for o in hlo.operands(ins) for _, s in hlo.arrays(types.get(o, ""))[:1]]
   if not out:
@@ -303,8 +304,9 @@ def grouped_matmul_flops(ins: hlo.Instr, types: dict, weight_grad: bool) -> floa
     return 2.0 * rows[0] * k * n if rows else 0.0
   if len(out[0][1]) == 2:
     m, n = out[0][1]
-    weights = [s for s in shapes if len(s) == 3 and s[2] == n]
-    return 2.0 * m * weights[0][1] * n if weights else 0.0
+    contracted = {s[1] for s in shapes if len(s) == 2 and s[0] == m}  # the rows' K
+    ks = [k for s in shapes if len(s) == 3 for k in contracted if sorted(s[1:]) == sorted((k, n))]
+    return 2.0 * m * ks[0] * n if ks else 0.0
   return 0.0
 
 
