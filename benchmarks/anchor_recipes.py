@@ -76,9 +76,13 @@ APART = (("scan_layers", False),)
 # The MoE rows keep the exchange's first round for the backward (docs/moe.md): the backward
 # runs neither its exchange there nor its experts again (the DeepSeek-V3 rows: 245 -> 267 and
 # 108 -> 116 tok/s/GPU when it was taken, Qwen3's force-balanced 4,685 -> 5,495).
-KEEP_FIRST_ROUND = (("keep_first_round", True),)
+# And each device's tokens exchanged in two chunks apart, so XLA runs one chunk's exchange behind
+# the other's expert matmuls (docs/moe.md; with the backward's weights read as stored, Qwen3 EP16
+# 4,123 -> 4,185, its force-balanced row 5,375 -> 5,587, DeepSeek-V3-like 115.5 -> 118.6).
+MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2))
 _KEPT = ("; the exchange's first round kept for the backward (keep_first_round: its backward"
-         " runs neither the exchange nor the experts again)")
+         " runs neither the exchange nor the experts again); each device's tokens exchanged in"
+         " 2 chunks apart (exchange_chunks=2: one chunk's exchange behind the other's experts)")
 _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, its real router, exchange buffers 2x a device pair's"
                    " balanced share (predicted for one round: no pair over 2x its share)" + _KEPT)
@@ -172,12 +176,12 @@ ANCHORS = (
            " Both shard the optimizer state over the 16 data-parallel ranks (Megatron's"
            " distributed optimizer; meshtron's ZeRO-1 over `expert`), the experts' own state"
            " over none",
-           compute=_fp8(), routing=_FORCE_BALANCED, master_weights=True, moe=KEEP_FIRST_ROUND),
+           compute=_fp8(), routing=_FORCE_BALANCED, master_weights=True, moe=MOE_EXCHANGE),
     Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16, buffers as if force-balanced",
            f"{MEGATRON_BRIDGE}: as the row above", "26.06 (the figure of the row above)", 8_826,
            FP8_CS, "qwen3_30b_a3b", 16, dict(expert=16, zero_stage=1), 1024, 4096, 64, "none",
            "as the row above", compute=_fp8(), routing=_AS_IF_BALANCED, master_weights=True,
-           moe=(("exchange_capacity", 1.0), *KEEP_FIRST_ROUND)),
+           moe=(("exchange_capacity", 1.0), *MOE_EXCHANGE)),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
@@ -193,7 +197,7 @@ ANCHORS = (
            " parallelism: its 256 experts over expert x tensor, 128 devices, where Megatron's 64"
            " hold 4 each, twice)",
            compute=_fp8(), routing=_FORCE_BALANCED,
-           master_weights=True, moe=KEEP_FIRST_ROUND),
+           master_weights=True, moe=MOE_EXCHANGE),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
            " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"
            " above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),
@@ -213,7 +217,7 @@ ANCHORS = (
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),
            512, 4096, 8, "none", "as the row above",
            routing="meshtron: dropless, its real router" + _KEPT, master_weights=True,
-           moe=KEEP_FIRST_ROUND),
+           moe=MOE_EXCHANGE),
 )
 
 
