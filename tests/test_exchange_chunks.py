@@ -20,15 +20,21 @@ from trainer.aot import compile_for_gpus
 GROUPED_MATMUL = "grouped_matmul"  # the Pallas kernel's op name (kernels/grouped_matmul.py)
 
 
-@functools.lru_cache(maxsize=None)
-def program(chunks: int) -> str:
-  """The train step of the tiny MoE on expert=8 (first round kept: the predicted one round)."""
+def tiny_moe(chunks: int):
+  """The tiny MoE on expert=8, 2 layers (first round kept: the predicted one round)."""
   cfg = moe_configs.debug_moe()
   cfg.mesh = MeshConfig(data=1, expert=8)
   cfg.batch_size, cfg.seq_len = 16, 64
   cfg.model.num_layers = 2
   cfg.model.moe = dataclasses.replace(cfg.model.moe, keep_first_round=True,
                                       exchange_chunks=chunks)
+  return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def program(chunks: int) -> str:
+  """tiny_moe(chunks)'s train step compiled for 8 H100s."""
+  cfg = tiny_moe(chunks)
   with tempfile.TemporaryDirectory() as tmp:
     path = f"{tmp}/step.hlo"
     compile_for_gpus(cfg, compiled.parse_gpu_target("h100x8"), hlo_path=path)

@@ -11,19 +11,18 @@ import tarfile
 import jax.numpy as jnp
 import numpy as np
 
-from configs import moe as moe_configs
 from kernels.grouped_matmul import grouped_matmul_fp8
 from sharding.plan.profiles import profile_of_device
 from sharding.xla import hlo, step_time
-from tests.test_exchange_chunks import program
+from tests.test_exchange_chunks import program, tiny_moe
 
 
 def stacked_expert_weights() -> set:
-  """Dims of one device's stacked expert weights (layers, local experts, then D x F or F x D),
-  as a sorted tuple, so a transposed copy of them matches too."""
-  cfg = moe_configs.debug_moe().model
+  """Dims of one device's stacked expert weights in `program`'s model (layers, local experts,
+  then D x F or F x D), as a sorted tuple, so a transposed copy of them matches too."""
+  cfg = tiny_moe(1).model
   moe = cfg.moe
-  layers, local = cfg.num_layers - moe.first_dense_layers, moe.num_experts // 8
+  layers, local = cfg.moe_layers(), moe.num_experts // 8
   return {tuple(sorted((layers, local, cfg.embed_dim, moe.mlp_dim(cfg.mlp_dim))))}
 
 
@@ -56,7 +55,7 @@ def test_every_grouped_matmul_call_is_priced_at_its_flops():
   """Forward, dx (weights read transposed) and dW calls alike: a gemm of 2·M·K·N FLOPs, K and N
   the expert's dims (D and F, either way round), M the exchange buffer's rows."""
   text = program(1)
-  cfg = moe_configs.debug_moe().model
+  cfg = tiny_moe(1).model
   d, f = cfg.embed_dim, cfg.moe.mlp_dim(cfg.mlp_dim)
   grouped = {name for name, path in hlo.op_names(text).items()
              if step_time.GROUPED_MATMUL.search(path)}
