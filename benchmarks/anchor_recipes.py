@@ -129,12 +129,19 @@ ANCHORS = (
            " FP8-CS, GBS 256, MBS 1, seq 8192, TP4 PP8 VP5 (DP 2), no recompute; recipe"
            " llama3_70b_pretrain_64gpu_h100_fp8cs_config", "26.04.01 (newest H100 row; 26.02:"
            " 1,621)", 1_664, FP8_CS, "llama3_70b", 64,
+           # Kept residuals (Megatron's stages keep activations too) under selective remat:
+           # 74.5 GiB and 1,487 tok/s/GPU, where recomputing each chunk's forward read 1,363
+           # at 42.1 GiB and keeping what remat=none keeps needs 93.6 (docs/planning.md).
            dict(data=2, tensor=4, pipeline=8, virtual_stages=5,
-                pipeline_schedule="paired_1f1b", sequence_parallel=True, zero_stage=1), 256,
-           8192, 128, "none",
-           PAIRED + " both shard the optimizer state over the 2 data-parallel replicas (Megatron's"
-           " distributed optimizer, which its recipes' optimizer configs turn on; meshtron's"
-           " ZeRO-1). Megatron's layout puts the embedding and head on stages of their own layers"
+                pipeline_schedule="paired_1f1b", sequence_parallel=True, zero_stage=1,
+                pipeline_recompute=False), 256,
+           8192, 128, "selective",
+           PAIRED + " its stages keep their forward's residuals for the backward, as Megatron's"
+           " do, but recompute attention and the elementwise ops between the projections"
+           " (remat=selective; Megatron: none); both shard the optimizer state over the 2"
+           " data-parallel replicas (Megatron's distributed optimizer, which its recipes'"
+           " optimizer configs turn on; meshtron's ZeRO-1). Megatron's layout puts the embedding"
+           " and head on stages of their own layers"
            " (Et*2|(t*2|)*34,t*3|(t*2|)*3,tL); TP communication overlapped by userbuffers;"
            " cuDNN attention (meshtron: its Pallas flash kernel)", compute=_fp8(),
            master_weights=True),

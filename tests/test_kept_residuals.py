@@ -24,8 +24,11 @@ def kept(stages, schedule, virtual=1, **mesh):
                     pipeline_recompute=False)
 
 
-FAST = [pytest.param(kept(2, "paired_1f1b", 2), id="pipeline=2,paired_1f1b,vpp=2"),
-        pytest.param(kept(2, "1f1b", data=1, fsdp=2, tensor=2),
+FAST = [pytest.param(kept(2, "paired_1f1b", 2), "none", id="pipeline=2,paired_1f1b,vpp=2"),
+        # The Megatron-Bridge 70B anchor's stages: kept residuals under selective remat.
+        pytest.param(kept(2, "paired_1f1b", 2), "selective",
+                     id="pipeline=2,paired_1f1b,vpp=2,selective"),
+        pytest.param(kept(2, "1f1b", data=1, fsdp=2, tensor=2), "none",
                      id="pipeline=2,1f1b,fsdp=2,tensor=2")]
 SLOW = [pytest.param(kept(4, "interleaved_1f1b", 2, data=2), id="pipeline=4,interleaved"),
         pytest.param(kept(2, "zero_bubble"), id="pipeline=2,zero_bubble"),
@@ -33,10 +36,11 @@ SLOW = [pytest.param(kept(4, "interleaved_1f1b", 2, data=2), id="pipeline=4,inte
         pytest.param(kept(4, "dualpipev", 2, data=2), id="pipeline=4,dualpipev")]
 
 
-@pytest.mark.parametrize("mesh", FAST)
-def test_kept_residuals_train_like_one_device(mesh, references):
+@pytest.mark.parametrize("mesh,remat", FAST)
+def test_kept_residuals_train_like_one_device(mesh, remat, references):
   """8 microbatches, 3 AdamW steps: loss, gradients and parameters equal the one-device run."""
-  assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
+  assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8], remat=remat),
+                       references(8))
 
 
 @pytest.mark.slow
@@ -45,9 +49,9 @@ def test_kept_residuals_train_like_one_device_every_schedule(mesh, references):
   assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
 
 
-def compiled(recompute: bool):
+def compiled(recompute: bool, remat: str = "none"):
   cfg = harness.config(dataclasses.replace(kept(4, "1f1b", data=2), pipeline_recompute=recompute),
-                       microbatches=8, model=MODELS[4])
+                       microbatches=8, model=MODELS[4], remat=remat)
   trainer = Trainer(cfg)
   with trainer.scope():
     return trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
@@ -59,15 +63,19 @@ def test_backward_ticks_run_no_forward_and_keep_more():
   forward's again: 4 a microbatch against 3 kept. The dots the step executes (each loop's trips
   x its body's) measured 732 recomputing, 606 kept: the layers' 504 drop by their quarter, the
   head's and the rest (228) stay. The kept residuals take more memory than the recomputing
-  program's stage inputs."""
+  program's stage inputs. Kept under remat=selective (the 70B anchor's stages), the backward
+  runs the attention's score dots again but no projection: more dots than kept under none,
+  fewer than recomputing, and it keeps less than under none."""
   counts, temps = {}, {}
-  for recompute in (True, False):
-    program = compiled(recompute)
+  for recompute, remat in ((True, "none"), (False, "none"), (False, "selective")):
+    program = compiled(recompute, remat)
     loops = loop_counts(program.as_text(), lambda i: i.op == "dot")
-    counts[recompute] = sum(trips * dots for trips, dots in loops if trips)
-    temps[recompute] = program.memory_analysis().temp_size_in_bytes
-  assert counts[False] < 0.85 * counts[True], counts
-  assert temps[False] > temps[True], temps
+    counts[recompute, remat] = sum(trips * dots for trips, dots in loops if trips)
+    temps[recompute, remat] = program.memory_analysis().temp_size_in_bytes
+  assert counts[False, "none"] < 0.85 * counts[True, "none"], counts
+  assert temps[False, "none"] > temps[True, "none"], temps
+  assert counts[False, "none"] < counts[False, "selective"] < counts[True, "none"], counts
+  assert temps[False, "selective"] < temps[False, "none"], temps
 
 
 def test_layout_and_estimate_of_kept_residuals():
