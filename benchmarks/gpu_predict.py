@@ -40,6 +40,19 @@ def traced_kinds(ms_per_step: dict) -> dict:
   return {k: round(v, 4) for k, v in out.items()}
 
 
+VISITS = os.path.join(os.path.dirname(__file__), "results", "gpu", "visits")
+
+
+def visit_artifacts(visit: str) -> tarfile.TarFile:
+  """The artifacts.tgz of a committed GPU visit (its folder name under results/gpu/visits)."""
+  return tarfile.open(os.path.join(VISITS, visit, "artifacts.tgz"))
+
+
+def run_program(tar: tarfile.TarFile, run: str) -> str:
+  """The compiled program (HLO text) of one of a visit's runs, by its artifact name."""
+  return gzip.decompress(tar.extractfile(f"./{run}.hlo.txt.gz").read()).decode()
+
+
 def trace_ms_per_step(tar: tarfile.TarFile, member_prefix: str) -> dict:
   """Milliseconds per step of each GPU op in the tarred trace (gpu_train.gpu_op_ms); {} if none."""
   from benchmarks import gpu_train

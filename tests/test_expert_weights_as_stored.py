@@ -4,13 +4,10 @@ transpose outside made XLA keep the layer scan's whole stack of expert weights t
 later rounds' backward (3.4 GiB of the Qwen3-30B-A3B FP8 EP16 program, and a copy of it each
 microbatch). The programs are the deviceless 8xH100 compiles of tests/test_exchange_chunks.py."""
 
-import gzip
-import os
-import tarfile
-
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import gpu_predict
 from kernels.grouped_matmul import grouped_matmul_fp8
 from sharding.plan.profiles import profile_of_device
 from sharding.xla import hlo, step_time
@@ -37,9 +34,7 @@ def transposes(text: str) -> list:
 
 def visit_program(run: str) -> str:
   """A program the lent H200 ran (visit 2026-11-27c), compiled before the kernel took `transposed`."""
-  tar = tarfile.open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "gpu",
-                                  "visits", "2026-11-27c", "artifacts.tgz"))
-  return gzip.decompress(tar.extractfile(f"./{run}.hlo.txt.gz").read()).decode()
+  return gpu_predict.run_program(gpu_predict.visit_artifacts("2026-11-27c"), run)
 
 
 def test_the_stacked_expert_weights_are_never_transposed():

@@ -5,11 +5,9 @@ constants, by the formula the module states.
 """
 
 import dataclasses
-import gzip
 import json
 import os
 import re
-import tarfile
 
 import pytest
 
@@ -357,9 +355,8 @@ def test_the_grouped_matmul_costs_its_flops_at_the_rate_its_gpu_trace_measured(
   and dW of gate, up and down: 12 calls per MoE layer), priced at grouped_matmul_fraction; the
   fraction is these FLOPs over the kernels' time in the same run's trace (profiles.py)."""
   run = f"cudnn-selective-{cut}-dropless"
-  tar = tarfile.open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "gpu",
-                                  "visits", "2026-11-27c", "artifacts.tgz"))
-  text = gzip.decompress(tar.extractfile(f"./{run}.hlo.txt.gz").read()).decode()
+  tar = gpu_predict.visit_artifacts("2026-11-27c")
+  text = gpu_predict.run_program(tar, run)
   h200 = hardware.profile_of_device("NVIDIA H200")
   grouped = {name for name, path in hlo.op_names(text).items()
              if step_time.GROUPED_MATMUL.search(path)}
