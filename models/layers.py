@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.compute import PROJECTION
 from models.fp8 import delayed as fp8_ops
-from models.fp8.current import Gemm, quantized_einsum, shared_input_einsums
+from models.fp8.current import Gemm, quantized_einsum, sequence_scale, shared_input_einsums
 from sharding import constrain, embedding_lookup, logical_sum_reduce_scatter
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
@@ -67,7 +67,8 @@ def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.A
   for eqn, out in zip(eqns, out_names):
     gemm = Gemm.parse(eqn)
     by_letter = dict(zip(gemm.a, GATHERED)) | dict(zip(gemm.out, out))
-    names.append((out, (), tuple(by_letter[c] for c in gemm.b), ()))
+    scale = tuple(by_letter[c] for c in sequence_scale(gemm.out))  # the output gradient's
+    names.append((out, scale, tuple(by_letter[c] for c in gemm.b), ()))
   return logical_sum_reduce_scatter(layout, terms, names, GATHERED, RESIDUAL, "projection dx")
 
 

@@ -19,7 +19,7 @@ from models.fp8.config import Fp8Config
 from sharding import MeshConfig
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import MOE
-from tests.test_parallel import assert_same_training
+from tests.test_parallel import GRAD_RTOL, LOSS_RTOL, assert_same_training, relative_l2
 
 LAYERS, DIM = 4, 8
 
@@ -121,7 +121,18 @@ def compare_storage_forms(what: str) -> None:
   runs = [harness.run(mesh, microbatches=2, moe=moe,
                       compute=dataclasses.replace(compute, scan_layers=scan))
           for scan in (True, False)]
-  assert_same_training(*runs)
+  if what != "fp8 tensorwise":
+    assert_same_training(*runs)
+    return
+  # Tensorwise's per-sequence dw sums its sequences' products apart, and the two programs add
+  # them in another order: initial gradients 1e-7 apart (the per-tensor recipe's were too), one
+  # step's updates 1.5e-5. fp8 turns that into rounding flips by step 3 (losses 4e-4 apart), so
+  # the later losses are held to the fp8 standard of tests/test_fp8_recipes.py.
+  scanned, apart = runs
+  np.testing.assert_allclose(scanned.losses[0], apart.losses[0], rtol=LOSS_RTOL)
+  for got, want in zip(scanned.grads, apart.grads):
+    assert relative_l2(got, want) <= GRAD_RTOL
+  np.testing.assert_allclose(scanned.losses, apart.losses, rtol=2e-3)
 
 
 @pytest.mark.parametrize("what", ["fp8 tensorwise", "fp8 delayed", "moe"])
@@ -133,8 +144,9 @@ def test_the_train_step_accumulates_as_plain_autodiff_does(what):
   combined by max (data=2 x fsdp=2 x tensor=2), the MoE stack and its router losses (data=2 x
   expert=2 x tensor=2). The fp8 cases run in a fresh interpreter with XLA's default CPU build:
   under the suite's LLVM -O0 (tests/conftest.py) the two programs round differently by ~1e-6,
-  which moves an fp8 scale, and their losses part by ~2e-4; built as users run them, they
-  agree to the last bit."""
+  which moves an fp8 scale, and their losses part by ~2e-4. Built as users run them, delayed
+  scaling's agree to the last bit; tensorwise's, whose dw sums per-sequence products, agree
+  in the first step (compare_storage_forms says how far)."""
   if not what.startswith("fp8"):
     compare_storage_forms(what)
     return

@@ -90,10 +90,14 @@ def test_the_compiled_logits_stay_within_the_formulas_two_compute_dtype_copies()
 
 def test_the_compiled_formula_tracks_every_anchor_programs_peak():
   """The estimate under the `compiled` formula against each compiled anchor row's peak
-  (benchmarks/results/step_time_anchors.jsonl, their H100 programs): within 0.6-1.1x on every
+  (benchmarks/results/step_time_anchors.jsonl, their H100 programs): within 0.6-1.12x on every
   row, where the `llama` terms read up to 1.62x (torchtitan's selective 8B). The lowest are the
   DeepSeek-V3 rows (MoE under pipeline and expert axes: the receive buffers and stage stashes
-  the formulas do not count)."""
+  the formulas do not count). The highest, 1.11, is the Megatron-Bridge 8B FP8 row (1.07 until
+  the twenty-seventh session): its program now quantizes q's, k's and v's shared input once,
+  where it kept three fp8 copies, and peaks 1.8 GiB lower; the formula, measured on the layer
+  scan, did not count the extra copies and is unchanged. Its layers are stored apart, and its
+  peak falls in the backward, when some layers' residuals are already freed."""
   from benchmarks.anchor_recipes import ANCHORS, anchor_layout, config
 
   rows = {r["anchor"]: r for r in results("step_time_anchors.jsonl")
@@ -110,7 +114,7 @@ def test_the_compiled_formula_tracks_every_anchor_programs_peak():
                                          workspace_bytes=0).total / peak
                       for f in ("compiled", "llama")}
   assert len(ratios) >= 13
-  assert all(0.6 <= r["compiled"] <= 1.1 for r in ratios.values()), ratios
+  assert all(0.6 <= r["compiled"] <= 1.12 for r in ratios.values()), ratios
   assert max(r["llama"] for r in ratios.values()) > 1.5  # the formulas differ on these rows
 
 

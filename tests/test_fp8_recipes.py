@@ -22,6 +22,7 @@ Tolerances, stated once:
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -108,7 +109,13 @@ def operands(eqn):
 
 
 def simulate(recipe, x, w, c):
-  """(y, dx, dw) of the recipe in numpy, the operands as matrices [tokens, K] and [K, out]."""
+  """(y, dx, dw) of the recipe in numpy, the operands as matrices [tokens, K] and [K, out].
+  Tensorwise scales each sequence of x and c apart (the weight: one scale), so there each
+  sequence is its own GEMM and dw their sum."""
+  if recipe == "tensorwise" and x.shape[0] > 1:
+    parts = [simulate(recipe, x[b:b + 1], w, c[b:b + 1]) for b in range(x.shape[0])]
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            sum(p[2] for p in parts))
   tokens, k = x.shape[0] * x.shape[1], x[0, 0].size
   x2, w2, c2 = x.reshape(tokens, k), w.reshape(k, -1), c.reshape(tokens, -1)
   y = np_gemm(recipe, x2, w2, (E4M3, E4M3), b_is_weight=True)
@@ -268,6 +275,40 @@ def test_sharded_projection_equals_one_device(recipe, eqn):
   sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((x, w, c), specs)]
   for got, want in zip(step(*sharded), step(x, w, c)):
     assert rel(got, want) <= 1e-6
+
+
+def amax_reductions(text: str) -> list[str]:
+  """The operand types of every max all-reduce of the amaxes (op_name reduce_max) in an HLO
+  text, layouts dropped: one per amax reduced, tuples flattened."""
+  types = []
+  for line in text.splitlines():
+    op = re.search(r"= \(?(.*?)\)? all-reduce(?:-start)?\(.*op_name=\"[^\"]*reduce_max", line)
+    if op:
+      types += [re.sub(r"\{.*?\}", "", t).strip() for t in op.group(1).split(", ")]
+  return sorted(types)
+
+
+def test_tensorwise_reduces_a_sequence_amax_only_over_the_devices_splitting_it():
+  """Tensorwise scales each sequence of x and of the output gradient apart, so with the batch
+  split over fsdp=4 and the tokens whole no device reduces their amaxes: the one reduction left
+  is the weight's, split over tensor=2 (one scale per tensor, f32[]; the step quantizes weights
+  once: models/fp8/weights.py). One amax per tensor took x's and the gradient's over all 8
+  devices as well. With the tokens split over tensor, each device's 2 sequences keep their 2
+  amaxes (f32[2]: reduced over the tensor pair, never across the batch). Each layout equals one
+  device: test_sharded_projection_equals_one_device."""
+  eqn, rng = "BLD,DF->BLF", np.random.default_rng(1)
+  x, w = rng.normal(size=(8, 64, 256)).astype(np.float32), rng.normal(size=(256, 384))
+  c = rng.normal(size=(8, 64, 384)).astype(np.float32)
+  step = jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(
+      *jax.vjp(lambda x, w: quantized_einsum("tensorwise", eqn, x, w), x, w)))
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  found = {}
+  for tokens in ("whole", "split"):
+    x_spec = P("fsdp") if tokens == "whole" else P("fsdp", "tensor")
+    args = [jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in zip((x, w.astype(np.float32), c), (x_spec, P(None, "tensor"), x_spec))]
+    found[tokens] = amax_reductions(step.lower(*args).compile().as_text())
+  assert found == {"whole": ["f32[]"], "split": ["f32[2]", "f32[2]", "f32[]"]}, found
 
 
 # Run in the default build, not the suite's LLVM -O0 (see tests/test_fp8.py). head_dim 16 and

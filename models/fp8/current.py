@@ -3,7 +3,12 @@
 Delayed scaling (models/fp8/delayed.py) scales a tensor by the amaxes of earlier steps; these recipes scale
 it by its own amax, taken as it is quantized, so they keep no state and never saturate:
 
-  tensorwise  one scale per operand (torchao's Float8Linear "tensorwise", as torchtitan runs it).
+  tensorwise  one scale per weight, and per sequence of an activation or gradient: a token array
+              [B, L, ...] takes the amax over all but its batch dim B (any other operand, such
+              as the experts' dispatched rows, one scale). torchao's Float8Linear "tensorwise"
+              and Transformer Engine's current scaling take one amax per data-parallel rank,
+              over the whole sequences it holds, with no reduction across ranks; per sequence
+              is that amax, independent of how the batch is split.
   rowwise     one scale per index of an operand's non-contracted dims, the amax over its contracted
               dims: per row of activations, per column of weights (torchao's "rowwise").
   blockwise   DeepSeek-V3: activations and gradients in 1 x 128 tiles (one scale per index of the
@@ -22,10 +27,13 @@ of two), 1 for an all-zero tile.
 
 Sharding: amaxes are jnp.max over the logical arrays, and the blocks are cut from the logical
 arrays too, so under GSPMD every layout computes what one device computes (a sharded amax is an
-all-reduce max; a block or row split over devices gets its max the same way). A block that
-straddles two shards is still one block, whichever layout: no layout is refused, but blockwise's
-transposes and reshapes into blocks cost collectives GSPMD adds (tests/test_fp8_recipes.py's
-fsdp=4 x tensor=2 projections: 5 to 8 all-gathers for forward and backward, tensorwise's 1).
+all-reduce max; a block or row split over devices gets its max the same way). A sequence's amax
+is reduced only over the devices that split its tokens (sequence and context parallelism, as
+Transformer Engine reduces over the tensor-parallel group); data parallelism reduces none. A
+block that straddles two shards is still one block, whichever layout: no layout is refused, but
+blockwise's transposes and reshapes into blocks cost collectives GSPMD adds
+(tests/test_fp8_recipes.py's fsdp=4 x tensor=2 projections: 5 to 8 all-gathers for forward and
+backward, tensorwise's 1).
 """
 
 import functools
@@ -39,6 +47,9 @@ from kernels.residuals import keep
 from models.fp8.delayed import E4M3, E5M2, quantize, scale_from_amax, scaled_dot, transposed
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
+# The batch and length letters of the models' token arrays (x_BLD): tensorwise scales each
+# sequence of such an operand apart (its batch index), as a data-parallel rank scales its own.
+SEQUENCE, LENGTH = "B", "L"
 BLOCK = 128  # DeepSeek-V3's tile: 1 x 128 activations and gradients, 128 x 128 weights
 
 
@@ -97,11 +108,14 @@ def _block(gemm: Gemm, letters: str, size: int) -> int:
 def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
                      weight: bool = False) -> Quantized:
   """Operand `operand` (0: a, 1: b) of `gemm` in fp8 with `recipe`'s scales for that GEMM's
-  contraction; `weight` picks blockwise's 128 x 128 blocks over the 1 x 128 tiles."""
+  contraction; `weight` picks blockwise's 128 x 128 blocks over the 1 x 128 tiles, and
+  tensorwise's one scale over one per sequence."""
   spec, contracted = (gemm.a, gemm.b)[operand], gemm.contracted
   if recipe == "tensorwise":
-    scale = scale_from_amax(jnp.max(jnp.abs(t)), dtype)
-    return Quantized(quantize(t, scale, dtype), spec, scale, "")
+    per = "" if weight else sequence_scale(spec)
+    axes = tuple(i for i, c in enumerate(spec) if c not in per)
+    scale = scale_from_amax(jnp.max(jnp.abs(t), axis=axes), dtype)
+    return Quantized(quantize(t, _expand(scale, per, spec), dtype), spec, scale, per)
   others = "".join(c for c in spec if c not in contracted)
   if recipe == "rowwise":
     axes = tuple(spec.index(c) for c in contracted)
@@ -129,11 +143,28 @@ def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
                    others + gemm.blocks[0])
 
 
+def sequence_scale(spec: str) -> str:
+  """The letters of a tensorwise activation's or gradient's scales: the batch letter of a token
+  array (letters B and L), else none (one scale)."""
+  return SEQUENCE if SEQUENCE in spec and LENGTH in spec else ""
+
+
 def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
   """einsum of two fp8 operands with float32 accumulation, divided by both operands' scales (per
   block, then the blocks summed in float32, when the contraction is blocked)."""
-  if not a.scale_spec and not b.scale_spec:  # tensorwise: as delayed scaling's GEMMs
+  if not a.scale_spec and not b.scale_spec:  # tensorwise weights: as delayed scaling's GEMMs
     return scaled_dot(f"{a.spec},{b.spec}->{gemm.out}", a.q, b.q, a.scale, b.scale, dtype)
+  if {a.scale_spec, b.scale_spec} <= {"", SEQUENCE}:  # tensorwise, sequences' own scales
+    # dw contracts the sequences: one product per sequence, each divided by its two scales (in
+    # the compute dtype, as scaled_dot), then summed. With one sequence per device (the anchors'
+    # micro-batch of 1) the sum is the data-parallel reduction dw takes anyway.
+    kept = "" if SEQUENCE in gemm.out else SEQUENCE
+    out = kept + gemm.out
+    y = jnp.einsum(f"{a.spec},{b.spec}->{out}", a.q, b.q, preferred_element_type=dtype)
+    scale = _expand(a.scale, a.scale_spec, out) * _expand(b.scale, b.scale_spec, out)
+    y = y / scale.astype(dtype)
+    # Summed in `dtype` (jnp.sum would add bf16 in float32 and XLA then reduce-scatters float32).
+    return jax.lax.reduce(y, jnp.zeros((), dtype), jax.lax.add, (0,)) if kept else y
   k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
   # The result in `dtype` (models/fp8/delayed.py's scaled_dot says why) unless blocks are to be rescaled
   # and summed, in float32; the per-row scales divide in float32 (no GEMM takes them).
@@ -188,7 +219,7 @@ def _backward(recipe, eqn, residuals, g):
     qx, sx, qw, sw = saved
     qg = quantize_operand(recipe, g, dx_gemm, 0, E5M2)  # one scale: the same in both GEMMs
     dx_ops = qg, Quantized(qw, dx_gemm.b, sw, "")
-    dw_ops = Quantized(qx, dw_gemm.a, sx, ""), qg
+    dw_ops = Quantized(qx, dw_gemm.a, sx, sequence_scale(dw_gemm.a)), qg
   else:
     x, w = saved
     dx_ops = (quantize_operand(recipe, g, dx_gemm, 0, E5M2),
@@ -226,7 +257,7 @@ def _shared_forward(eqns, gather, sum_dx, x, ws, weights):
   q = gather(qx.q)
   qws = tuple(quantize_weight(w) if weight is None else tuple(weight)
               for w, weight in zip(ws, weights))
-  ys = tuple(keep(scaled_matmul(g, Quantized(q, g.a, qx.scale, ""), Quantized(qw, g.b, sw, ""),
+  ys = tuple(keep(scaled_matmul(g, qx._replace(q=q, spec=g.a), Quantized(qw, g.b, sw, ""),
                                 x.dtype)) for g, (qw, sw) in zip(gemms, qws))
   return ys, (keep((q, qx.scale, qws)), tuple(jnp.zeros((), w.dtype) for w in ws))
 
@@ -238,13 +269,14 @@ def _shared_backward(eqns, gather, sum_dx, residuals, gs):
     dx_gemm, dw_gemm = map(Gemm.parse, transposed(eqn))
     qg = quantize_operand("tensorwise", g, dx_gemm, 0, E5M2)
     terms.append((functools.partial(_dx_term, dx_gemm, g.dtype), (qg.q, qg.scale, qw, sw)))
-    dws.append(scaled_matmul(dw_gemm, Quantized(q, dw_gemm.a, sx, ""), qg, w_zero.dtype))
+    qx = Quantized(q, dw_gemm.a, sx, sequence_scale(dw_gemm.a))
+    dws.append(scaled_matmul(dw_gemm, qx, qg, w_zero.dtype))
   return sum_dx(terms), tuple(dws), None
 
 
 def _dx_term(gemm: Gemm, dtype, g, g_scale, w, w_scale) -> jax.Array:
-  return scaled_matmul(gemm, Quantized(g, gemm.a, g_scale, ""), Quantized(w, gemm.b, w_scale, ""),
-                       dtype)
+  return scaled_matmul(gemm, Quantized(g, gemm.a, g_scale, sequence_scale(gemm.a)),
+                       Quantized(w, gemm.b, w_scale, ""), dtype)
 
 
 shared_input_einsums.defvjp(_shared_forward, _shared_backward)
