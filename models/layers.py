@@ -43,9 +43,11 @@ def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out
   gradient is reduce-scattered once too (reduce_input_gradient).
   Where nothing is gathered, grouping only saves amax and cast passes, and on the
   Megatron-Bridge 8B FP8 FSDP recipe it cost memory: 59.4 -> 65.5 GiB, XLA then recomputing
-  GEMMs to fit (12,193 -> 10,864 predicted tok/s/GPU); not traced further, so each GEMM
-  quantizes x there. Otherwise each projects x, gathered once first when `gather_once`
-  (gather_sequence's layers that recompute)."""
+  GEMMs to fit (12,193 -> 10,864 predicted tok/s/GPU, with one scale per tensor); not traced
+  further, so each GEMM quantizes x there (with tensorwise's per-sequence scales, which no
+  collective computes, XLA finds the quantizations equal and casts once). Otherwise each
+  projects x, gathered once first when `gather_once` (gather_sequence's layers that
+  recompute)."""
   if einsums[0].tokens_split and all(e.fp8_recipe == "tensorwise" for e in einsums):
     weights = tuple(tuple(e.w_fp8.get_value()[:2]) if hasattr(e, "w_fp8") else None
                     for e in einsums)
