@@ -108,6 +108,12 @@ def operands(eqn):
   return x, w, c
 
 
+def projection_step(recipe: str, eqn: str):
+  """jit of (x, w, c) -> (y, dx, dw) for one fp8 projection and output gradient c."""
+  return jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(
+      *jax.vjp(lambda x, w: quantized_einsum(recipe, eqn, x, w), x, w)))
+
+
 def simulate(recipe, x, w, c):
   """(y, dx, dw) of the recipe in numpy, the operands as matrices [tokens, K] and [K, out].
   Tensorwise scales each sequence of x and c apart (the weight: one scale), so there each
@@ -130,8 +136,7 @@ def test_recipe_equals_numpy_simulation(recipe, eqn):
   """Forward, dx and dw (the straight-through gradients: each backward GEMM on operands quantized
   along its own contraction, the output gradient in e5m2) as the numpy simulation computes."""
   x, w, c = operands(eqn)
-  got = jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(
-      *jax.vjp(lambda x, w: quantized_einsum(recipe, eqn, x, w), x, w)))(x, w, c)
+  got = projection_step(recipe, eqn)(x, w, c)
   dx_eqn, dw_eqn = transposed(eqn)
   x64, w64, c64 = (a.astype(np.float64) for a in (x, w, c))
   exact = (np.einsum(eqn, x64, w64), np.einsum(dx_eqn, c64, w64), np.einsum(dw_eqn, x64, c64))
@@ -269,8 +274,7 @@ def test_sharded_projection_equals_one_device(recipe, eqn):
   rng = np.random.default_rng(1)
   x, w = rng.normal(size=x_shape).astype(np.float32), rng.normal(size=w_shape).astype(np.float32)
   c = rng.normal(size=np.einsum(eqn, x, w).shape).astype(np.float32)
-  step = jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(
-      *jax.vjp(lambda x, w: quantized_einsum(recipe, eqn, x, w), x, w)))
+  step = projection_step(recipe, eqn)
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
   sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip((x, w, c), specs)]
   for got, want in zip(step(*sharded), step(x, w, c)):
@@ -289,18 +293,15 @@ def amax_reductions(text: str) -> list[str]:
 
 
 def test_tensorwise_reduces_a_sequence_amax_only_over_the_devices_splitting_it():
-  """Tensorwise scales each sequence of x and of the output gradient apart, so with the batch
-  split over fsdp=4 and the tokens whole no device reduces their amaxes: the one reduction left
-  is the weight's, split over tensor=2 (one scale per tensor, f32[]; the step quantizes weights
-  once: models/fp8/weights.py). One amax per tensor took x's and the gradient's over all 8
-  devices as well. With the tokens split over tensor, each device's 2 sequences keep their 2
-  amaxes (f32[2]: reduced over the tensor pair, never across the batch). Each layout equals one
-  device: test_sharded_projection_equals_one_device."""
+  """Tensorwise scales each sequence of x and of the output gradient apart: with the batch split
+  over fsdp=4 and the tokens whole, the one amax reduction left is the weight's, split over
+  tensor=2 (f32[]; one amax per tensor reduced x's and the gradient's over all 8 devices too).
+  With the tokens split over tensor, each device's 2 sequences keep 2 amaxes (f32[2]), reduced
+  over the tensor pair. Each layout equals one device (the test above)."""
   eqn, rng = "BLD,DF->BLF", np.random.default_rng(1)
   x, w = rng.normal(size=(8, 64, 256)).astype(np.float32), rng.normal(size=(256, 384))
   c = rng.normal(size=(8, 64, 384)).astype(np.float32)
-  step = jax.jit(lambda x, w, c: (lambda y, vjp: (y, *vjp(c)))(
-      *jax.vjp(lambda x, w: quantized_einsum("tensorwise", eqn, x, w), x, w)))
+  step = projection_step("tensorwise", eqn)
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
   found = {}
   for tokens in ("whole", "split"):
