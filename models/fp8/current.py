@@ -154,26 +154,24 @@ def scaled_matmul(gemm: Gemm, a: Quantized, b: Quantized, dtype) -> jax.Array:
   block, then the blocks summed in float32, when the contraction is blocked)."""
   if not a.scale_spec and not b.scale_spec:  # tensorwise weights: as delayed scaling's GEMMs
     return scaled_dot(f"{a.spec},{b.spec}->{gemm.out}", a.q, b.q, a.scale, b.scale, dtype)
-  if {a.scale_spec, b.scale_spec} <= {"", SEQUENCE}:  # tensorwise, sequences' own scales
-    # dw contracts the sequences: one product per sequence, each divided by its two scales (in
-    # the compute dtype, as scaled_dot), then summed. With one sequence per device (the anchors'
-    # micro-batch of 1) the sum is the data-parallel reduction dw takes anyway.
-    kept = "" if SEQUENCE in gemm.out else SEQUENCE
-    out = kept + gemm.out
-    y = jnp.einsum(f"{a.spec},{b.spec}->{out}", a.q, b.q, preferred_element_type=dtype)
-    scale = _expand(a.scale, a.scale_spec, out) * _expand(b.scale, b.scale_spec, out)
-    y = y / scale.astype(dtype)
-    # Summed in `dtype` (jnp.sum would add bf16 in float32 and XLA then reduce-scatters float32).
-    return jax.lax.reduce(y, jnp.zeros((), dtype), jax.lax.add, (0,)) if kept else y
-  k = gemm.blocks[0] if gemm.blocks[0] in a.spec else ""
-  # The result in `dtype` (models/fp8/delayed.py's scaled_dot says why) unless blocks are to be rescaled
-  # and summed, in float32; the per-row scales divide in float32 (no GEMM takes them).
+  # The letter a scale varies along that the GEMM contracts, kept as a batch dim of the GEMM and
+  # summed after the division: blockwise's block index, or tensorwise's sequence in dw (one
+  # product per sequence; with one sequence per device, as at the anchors' micro-batch of 1, the
+  # sum is the data-parallel reduction dw takes anyway).
+  k = "".join(dict.fromkeys(c for c in a.scale_spec + b.scale_spec if c not in gemm.out))
+  # Tensorwise divides in `dtype`, as scaled_dot (models/fp8/delayed.py says why), and sums in
+  # it (jnp.sum would add bf16 in float32, and XLA then reduce-scatters dw in float32). Rowwise
+  # and blockwise divide in float32 (no GEMM takes their scales); blocks sum in float32.
+  tensorwise = {a.scale_spec, b.scale_spec} <= {"", SEQUENCE}
+  divide = dtype if tensorwise else jnp.float32
   partial = jnp.einsum(f"{a.spec},{b.spec}->{k}{gemm.out}", a.q, b.q,
-                       preferred_element_type=jnp.float32 if k else dtype)
+                       preferred_element_type=jnp.float32 if k and not tensorwise else dtype)
   scale = _expand(a.scale, a.scale_spec, k + gemm.out) * _expand(b.scale, b.scale_spec,
                                                                  k + gemm.out)
-  y = partial.astype(jnp.float32) / scale
-  return (jnp.sum(y, axis=0) if k else y).astype(dtype)
+  y = partial.astype(divide) / scale.astype(divide)
+  if k:
+    y = jax.lax.reduce(y, jnp.zeros((), divide), jax.lax.add, (0,))
+  return y.astype(dtype)
 
 
 def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
