@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
+from kernels.residuals import keep
 from models.config import ModelConfig
 from models.layers import GATHERED, Einsum, RMSNorm, project_shared, projection_kw
 from models.rope import apply_rope, inverse_frequencies
@@ -70,17 +71,26 @@ class Attention(nnx.Module):
     self.window = cfg.sliding_window
     self.remat, self.dtype = compute.remat, cfg.dtype  # the input's gather (models/layers.py)
 
-  def project(self, x_BLD, positions_BL):
-    """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied."""
+  def project(self, x_BLD, positions_BL, input_amax=None):
+    """q [B, L, H, d], k and v [B, L, K, d], QK-norm and RoPE applied. `input_amax`: as
+    models/layers.py Einsum's."""
     # One gather for q, k and v (models/layers.py): in fp8 when tensorwise, else in bf16 for
     # layers that recompute.
     q, k, v = project_shared(self.layout, (self.q, self.k, self.v),
                              ("BLD,DHd->BLHd", "BLD,DKd->BLKd", "BLD,DKd->BLKd"),
-                             (Q_NAMES, KV_NAMES, KV_NAMES), x_BLD, self.remat != "none")
+                             (Q_NAMES, KV_NAMES, KV_NAMES), x_BLD, self.remat != "none",
+                             input_amax)
     if self.q_norm is not None:  # QK-norm (Qwen3), per head over the head dim
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = inverse_frequencies(*self.rope)
-    return apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq), v
+    q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
+    if self.q_norm is None:
+      # The kernel's q and k, kept under remat="none" (kernels/residuals.py) in place of the
+      # projections' outputs, which only RoPE read: the same bytes, and the backward runs no
+      # RoPE again to rebuild the kernel's inputs. With QK-norm the norms' backward reads the
+      # projections' outputs, so keeping these too would add their size.
+      q, k = keep((q, k))
+    return q, k, v
 
   def attend(self, q, k, v, positions_BL, segment_ids_BL, window=None):
     """The kernel over projected q, k, v, then the output projection: [B, L, D]. `window`: this
@@ -102,6 +112,6 @@ class Attention(nnx.Module):
     return constrain_cotangent(self.o("BLHd,HdD->BLD", out), GATHERED)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL,
-               window=None) -> jax.Array:
-    q, k, v = self.project(x_BLD, positions_BL)
+               window=None, input_amax=None) -> jax.Array:
+    q, k, v = self.project(x_BLD, positions_BL, input_amax)
     return self.attend(q, k, v, positions_BL, segment_ids_BL, window)

@@ -33,7 +33,7 @@ def gather_sequence(x_BLD: jax.Array, dtype) -> jax.Array:
 
 
 def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out_names: Sequence,
-                   x_BLD: jax.Array, gather_once: bool) -> tuple:
+                   x_BLD: jax.Array, gather_once: bool, input_amax=None) -> tuple:
   """`einsums[i](eqns[i], x_BLD)`, constrained to `out_names[i]`, for projections that read one
   input (q, k and v; gate and up).
   With tensorwise fp8 in all of them and the tokens split (sequence or context parallelism), x
@@ -47,18 +47,20 @@ def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out
   further, so each GEMM quantizes x there (with tensorwise's per-sequence scales, which no
   collective computes, XLA finds the quantizations equal and casts once). Otherwise each
   projects x, gathered once first when `gather_once` (gather_sequence's layers that
-  recompute)."""
+  recompute). `input_amax`: as Einsum's."""
   if einsums[0].tokens_split and all(e.fp8_recipe == "tensorwise" for e in einsums):
     weights = tuple(tuple(e.w_fp8.get_value()[:2]) if hasattr(e, "w_fp8") else None
                     for e in einsums)
     dtype = einsums[0].dtype
     sum_dx = functools.partial(reduce_input_gradient, layout, tuple(eqns), tuple(out_names))
     ys = shared_input_einsums(tuple(eqns), gather_fp8_input, sum_dx, x_BLD.astype(dtype),
-                              tuple(e.w[...].astype(e.dtype) for e in einsums), weights)
+                              tuple(e.w[...].astype(e.dtype) for e in einsums), weights,
+                              None if input_amax is None else input_amax())
     return tuple(constrain(y, names) for y, names in zip(ys, out_names))
   if gather_once:
     x_BLD = gather_sequence(x_BLD, einsums[0].dtype)
-  return tuple(constrain(e(eqn, x_BLD), names) for e, eqn, names in zip(einsums, eqns, out_names))
+  return tuple(constrain(e(eqn, x_BLD, input_amax), names)
+               for e, eqn, names in zip(einsums, eqns, out_names))
 
 
 def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.Array:
@@ -124,7 +126,10 @@ class Einsum(nnx.Module):
         setattr(self, name, logical_param(jnp.zeros((fp8.amax_history,), jnp.float32),
                                           (fp8_ops.FP8_HISTORY,)))
 
-  def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
+  def __call__(self, eqn: str, x: jax.Array, input_amax=None) -> jax.Array:
+    """`input_amax`: None, or a function of no arguments returning x's amax per sequence
+    (RMSNorm.sequence_amax), which tensorwise fp8 then scales x by; other precisions never call
+    it, so it adds nothing to their programs."""
     # The step's fp8 copy of w, when the train step quantized it once (models/fp8/weights.py).
     weight = self.w_fp8.get_value() if hasattr(self, "w_fp8") else None
     # fp8 quantizes the compute-dtype copy of w, as the anchors quantize their bf16 weights; dw
@@ -134,7 +139,9 @@ class Einsum(nnx.Module):
       return fp8_ops.fp8_einsum(eqn, self.fp8_margin, x, w,
                                 *(getattr(self, n)[...] for n in fp8_ops.HISTORIES), weight)
     if self.fp8_recipe is not None:
-      return quantized_einsum(self.fp8_recipe, eqn, x, w, weight)
+      x_amax = input_amax() if input_amax is not None and self.fp8_recipe == "tensorwise" \
+          else None
+      return quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax)
     if eqn.startswith("BL") and "->BL" in eqn and not self.tokens_split:
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
       # weight gradient then contracts one dim of row-major operands; with two, XLA:CPU copies
@@ -267,3 +274,18 @@ class RMSNorm(nnx.Module):
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
     return (x32 * scale).astype(self.dtype)
+
+  def sequence_amax(self, x: jax.Array) -> jax.Array:
+    """max|self(x)| over all but the batch dim of x [B, ..., D]: [B], in the compute dtype, for
+    tensorwise fp8's per-sequence scale of the projections that read self(x).
+
+    A token's norm multiplies its row by r = rsqrt(mean(x²) + eps) > 0, so its largest
+    |element| is r · max_d |x_d · scale_d|: per-token statistics, read from x as the norm reads
+    it. Taken from self(x) instead, XLA:GPU wrote |self(x)| [B, L, D] from the norm's kernel
+    and reduced it in another. Equal to that max up to float32 rounding (the products'
+    order), rounded to the compute dtype as self(x)'s elements are."""
+    x32 = x.astype(jnp.float32)
+    rsqrt = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + self.eps)
+    scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    peak = jnp.max(jnp.abs(x32 * scale), axis=-1)
+    return jnp.max(rsqrt * peak, axis=tuple(range(1, x.ndim - 1))).astype(self.dtype)

@@ -49,15 +49,16 @@ class MLAttention(Attention):
                  cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
     self.layout, self.window = layout, cfg.sliding_window
 
-  def project(self, x_BLD, positions_BL):
-    """q, k [B, L, H, nope + rope] and v [B, L, H, v_head_dim], RoPE applied."""
+  def project(self, x_BLD, positions_BL, input_amax=None):
+    """q, k [B, L, H, nope + rope] and v [B, L, H, v_head_dim], RoPE applied. `input_amax`: as
+    models/layers.py Einsum's."""
     if self.q is None:
-      latent = constrain(self.q_a("BLD,DR->BLR", x_BLD), LATENT)
+      latent = constrain(self.q_a("BLD,DR->BLR", x_BLD, input_amax), LATENT)
       q = self.q_b("BLR,RHd->BLHd", self.q_a_norm(latent))
     else:
-      q = self.q("BLD,DHd->BLHd", x_BLD)
+      q = self.q("BLD,DHd->BLHd", x_BLD, input_amax)
     q = constrain(q, Q_NAMES)
-    compressed = constrain(self.kv_a("BLD,DR->BLR", x_BLD), LATENT)
+    compressed = constrain(self.kv_a("BLD,DR->BLR", x_BLD, input_amax), LATENT)
     latent, k_rope = compressed[..., :self.latent_dim], compressed[..., self.latent_dim:]
     kv = constrain(self.kv_b("BLR,RHd->BLHd", self.kv_a_norm(latent)), KV_NAMES)
     k_nope, v = kv[..., :self.nope], kv[..., self.nope:]

@@ -26,13 +26,14 @@ class MLP(nnx.Module):
     self.layout = layout  # the collective matmuls' mesh
     self.dtype = cfg.dtype
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, input_amax=None) -> jax.Array:
+    """`input_amax`: as models/layers.py Einsum's (the collective matmuls run in bf16)."""
     if self.collective_matmul:
       return self._collective(x_BLD)
     # One gather for gate and up (models/layers.py): in fp8 when tensorwise, else in bf16 for
     # layers that recompute.
     gate, up = project_shared(self.layout, (self.gate, self.up), ("BLD,DF->BLF", "BLD,DF->BLF"),
-                              (HIDDEN, HIDDEN), x_BLD, self.remat != "none")
+                              (HIDDEN, HIDDEN), x_BLD, self.remat != "none", input_amax)
     hidden = jax.nn.silu(gate) * up
     # Its gradient gathered once for both of down's backward dots (models/layers.py GATHERED).
     return constrain_cotangent(self.down("BLF,FD->BLD", hidden), GATHERED)

@@ -36,13 +36,17 @@ class DecoderBlock(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, **norm)
 
   def _attend(self, x_BLD, positions_BL, segment_ids_BL, window):
-    out = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, window=window)
+    # The norm's amax for tensorwise fp8's scales, from x (RMSNorm.sequence_amax).
+    out = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, window=window,
+                    input_amax=functools.partial(self.attn_norm.sequence_amax, x_BLD))
     return constrain(x_BLD + out, RESIDUAL)
 
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, window=None):
     """`window`: this layer's sliding window (0: full attention); None: the model's."""
     x_BLD = self._attend(x_BLD, positions_BL, segment_ids_BL, window)
-    return constrain(x_BLD + self.mlp(self.mlp_norm(x_BLD)), RESIDUAL)
+    out = self.mlp(self.mlp_norm(x_BLD),
+                   input_amax=functools.partial(self.mlp_norm.sequence_amax, x_BLD))
+    return constrain(x_BLD + out, RESIDUAL)
 
 
 class MoEBlock(DecoderBlock):

@@ -28,7 +28,7 @@ import pytest
 
 from configs import llama
 from models.fp8.config import Fp8Config
-from models.fp8.delayed import E4M3, E5M2, fp8_einsum, scale_from_history
+from models.fp8.delayed import E4M3, E5M2, fp8_einsum, scale_from_amax, scale_from_history
 from sharding import MeshConfig
 from sharding.xla import compiled, hlo
 from tests import parallel_harness as harness
@@ -72,6 +72,8 @@ def test_scale_is_fmax_over_amax_with_margin():
   assert float(scale_from_history(history, E4M3, 2)) == 448.0 / 4.0 / 4.0
   assert float(scale_from_history(history, E5M2, 0)) == 57344.0 / 4.0
   assert float(scale_from_history(jnp.zeros(3), E4M3, 0)) == 1.0  # nothing seen yet
+  amaxes = jnp.asarray([jnp.nan, jnp.inf, 0.0, 2.0])  # 1 where nothing finite can be scaled
+  np.testing.assert_array_equal(scale_from_amax(amaxes, E4M3), [1.0, 1.0, 1.0, 224.0])
 
 
 def test_fp8_forward_equals_numpy_simulation(operands):

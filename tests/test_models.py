@@ -1,6 +1,7 @@
 """The Llama model: parameter counts, causality, packing, scan vs unrolled, remat, RoPE scaling."""
 
 import contextlib
+import dataclasses
 import io
 
 import jax
@@ -180,6 +181,25 @@ def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_pa
   np.testing.assert_allclose(value, value_all, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_all)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_no_recompute_keeps_q_and_k_after_rope(qk_norm):
+  """remat="none": the backward reads q and k as the attention took them, after RoPE (named
+  kernel residuals), not the q and k projections' outputs, which only RoPE read: the same bytes,
+  and no RoPE again in the backward (models/attention.py). v is its projection's output. With
+  QK-norm, whose backward reads the projections' outputs, those are kept instead."""
+  cfg = dataclasses.replace(TINY, qk_norm=qk_norm)
+  params = per_layer(init_params(cfg, jax.random.PRNGKey(0)))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 16)), jnp.int32)
+  unrolled = ComputeConfig(scan_layers=False)
+  kept = saved_residuals(lambda p: jnp.mean(_apply(cfg, p, tokens, compute=unrolled) ** 2), params)
+  h, kv, d, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+  rotated = [f"f32[2,16,{n},{d}] named 'kernel_residual'" for n in (h, kv)]
+  projected = [f"f32[32,{n},{d}] output of dot_general" for n in (h, kv)]  # [B·L, heads, d]
+  assert kept.count(projected[1]) == (2 if qk_norm else 1) * layers  # v (and k)
+  assert kept.count(projected[0]) == (layers if qk_norm else 0)
+  assert [kept.count(r) for r in rotated] == [0 if qk_norm else layers] * 2
 
 
 def test_attention_impls_agree_with_gqa_and_segments():

@@ -106,15 +106,16 @@ def _block(gemm: Gemm, letters: str, size: int) -> int:
 
 
 def quantize_operand(recipe: str, t: jax.Array, gemm: Gemm, operand: int, dtype,
-                     weight: bool = False) -> Quantized:
+                     weight: bool = False, amax=None) -> Quantized:
   """Operand `operand` (0: a, 1: b) of `gemm` in fp8 with `recipe`'s scales for that GEMM's
   contraction; `weight` picks blockwise's 128 x 128 blocks over the 1 x 128 tiles, and
-  tensorwise's one scale over one per sequence."""
+  tensorwise's one scale over one per sequence. `amax`: tensorwise's amaxes of t, when its
+  producer computed them (a norm: RMSNorm.sequence_amax), else None."""
   spec, contracted = (gemm.a, gemm.b)[operand], gemm.contracted
   if recipe == "tensorwise":
     per = "" if weight else sequence_scale(spec)
     axes = tuple(i for i, c in enumerate(spec) if c not in per)
-    scale = scale_from_amax(jnp.max(jnp.abs(t), axis=axes), dtype)
+    scale = scale_from_amax(jnp.max(jnp.abs(t), axis=axes) if amax is None else amax, dtype)
     return Quantized(quantize(t, _expand(scale, per, spec), dtype), spec, scale, per)
   others = "".join(c for c in spec if c not in contracted)
   if recipe == "rowwise":
@@ -182,20 +183,24 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=None) -> jax.Array:
+def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=None,
+                     x_amax=None) -> jax.Array:
   """einsum(eqn, x, w) in fp8 with current scaling (`recipe` in RECIPES), any two-operand eqn.
 
   x: the activation, in the compute dtype (the result's); w: the weight, in dw's dtype (the
   projections pass its compute-dtype copy: models/layers.py).
   Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient. `weight`, for
-  tensorwise: quantize_weight(w) computed beforehand (then w only types dw), or None.
+  tensorwise: quantize_weight(w) computed beforehand (then w only types dw), or None. `x_amax`,
+  for tensorwise: x's amax per sequence, computed by its producer (quantize_operand), or None.
   """
-  return _forward(recipe, eqn, x, w, weight)[0]
+  return _forward(recipe, eqn, x, w, weight, x_amax)[0]
 
 
-def _forward(recipe, eqn, x, w, weight=None):
+def _forward(recipe, eqn, x, w, weight=None, x_amax=None):
   gemm = Gemm.parse(eqn)
-  qx = quantize_operand(recipe, x, gemm, 0, E4M3)
+  if x_amax is not None and recipe != "tensorwise":
+    raise ValueError(f"an input amax computed beforehand is tensorwise's, not {recipe!r}'s")
+  qx = quantize_operand(recipe, x, gemm, 0, E4M3, amax=x_amax)
   if weight is not None and recipe != "tensorwise":
     raise ValueError(f"a weight quantized beforehand is tensorwise, not {recipe!r}")
   qw = (quantize_operand(recipe, w, gemm, 1, E4M3, weight=True) if weight is None
@@ -224,9 +229,10 @@ def _backward(recipe, eqn, residuals, g):
               quantize_operand(recipe, w, dx_gemm, 1, E4M3, weight=True))
     dw_ops = (quantize_operand(recipe, x, dw_gemm, 0, E4M3),
               quantize_operand(recipe, g, dw_gemm, 1, E5M2))
-  # None: no cotangent for a precomputed weight (it is not differentiated; w gets dw).
+  # None: no cotangent for a precomputed weight or amax (not differentiated: w gets dw, and a
+  # scale is a constant of the quantization).
   return (scaled_matmul(dx_gemm, *dx_ops, g.dtype), scaled_matmul(dw_gemm, *dw_ops, w_zero.dtype),
-          None)
+          None, None)
 
 
 quantized_einsum.defvjp(_forward, _backward)
@@ -234,7 +240,7 @@ quantized_einsum.defvjp(_forward, _backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def shared_input_einsums(eqns: tuple, gather, sum_dx, x: jax.Array, ws: tuple,
-                         weights: tuple) -> tuple:
+                         weights: tuple, x_amax=None) -> tuple:
   """Tensorwise einsums of one activation x with several weights (q, k and v; gate and up): the
   numbers of separate quantized_einsum calls, with x quantized (one amax, one cast) and passed
   to `gather` (a sequence-parallel all-gather) once for all of them instead of once per GEMM.
@@ -244,14 +250,15 @@ def shared_input_einsums(eqns: tuple, gather, sum_dx, x: jax.Array, ws: tuple,
   and add in order (sharding.sum_terms on one device); sequence parallelism adds them before
   reducing them once (sharding.logical_sum_reduce_scatter). The arguments of GEMM i's term: its
   output gradient in e5m2 and that one's scale (its letters: eqn i's output), its fp8 weight
-  and that one's scale.
+  and that one's scale. `x_amax`: as quantized_einsum's.
   """
-  return _shared_forward(eqns, gather, sum_dx, x, ws, weights)[0]
+  return _shared_forward(eqns, gather, sum_dx, x, ws, weights, x_amax)[0]
 
 
-def _shared_forward(eqns, gather, sum_dx, x, ws, weights):
+def _shared_forward(eqns, gather, sum_dx, x, ws, weights, x_amax=None):
   gemms = [Gemm.parse(e) for e in eqns]
-  qx = quantize_operand("tensorwise", x, gemms[0], 0, E4M3)  # its scale: any contraction's
+  # Its scale: any contraction's.
+  qx = quantize_operand("tensorwise", x, gemms[0], 0, E4M3, amax=x_amax)
   q = gather(qx.q)
   qws = tuple(quantize_weight(w) if weight is None else tuple(weight)
               for w, weight in zip(ws, weights))
@@ -269,7 +276,7 @@ def _shared_backward(eqns, gather, sum_dx, residuals, gs):
     terms.append((functools.partial(_dx_term, dx_gemm, g.dtype), (qg.q, qg.scale, qw, sw)))
     qx = Quantized(q, dw_gemm.a, sx, sequence_scale(dw_gemm.a))
     dws.append(scaled_matmul(dw_gemm, qx, qg, w_zero.dtype))
-  return sum_dx(terms), tuple(dws), None
+  return sum_dx(terms), tuple(dws), None, None
 
 
 def _dx_term(gemm: Gemm, dtype, g, g_scale, w, w_scale) -> jax.Array:
