@@ -5,9 +5,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import kernels
-from kernels.residuals import keep
+from models.compute import ROTATED
 from models.config import ModelConfig
 from models.layers import GATHERED, Einsum, RMSNorm, project_shared, projection_kw
 from models.rope import apply_rope, inverse_frequencies
@@ -85,11 +86,11 @@ class Attention(nnx.Module):
     inv_freq = inverse_frequencies(*self.rope)
     q, k = apply_rope(q, positions_BL, inv_freq), apply_rope(k, positions_BL, inv_freq)
     if self.q_norm is None:
-      # The kernel's q and k, kept under remat="none" (kernels/residuals.py) in place of the
-      # projections' outputs, which only RoPE read: the same bytes, and the backward runs no
-      # RoPE again to rebuild the kernel's inputs. With QK-norm the norms' backward reads the
-      # projections' outputs, so keeping these too would add their size.
-      q, k = keep((q, k))
+      # The kernel's q and k, kept under remat="none" and "selective" (models/compute.py) in
+      # place of the projections' outputs, which only RoPE read: the same bytes, and the
+      # backward runs no RoPE again to rebuild the kernel's inputs. With QK-norm the norms'
+      # backward reads the projections' outputs, so keeping these too would add their size.
+      q, k = checkpoint_name(q, ROTATED), checkpoint_name(k, ROTATED)
     return q, k, v
 
   def attend(self, q, k, v, positions_BL, segment_ids_BL, window=None):

@@ -40,12 +40,16 @@ def _no_recompute(prim, *args, **params) -> bool:
 # custom_vjp, whose output no policy sees as a dot: it is named PROJECTION, and kept where a
 # plain projection's dot is.
 PROJECTION = "projection"
+# q and k after RoPE (models/attention.py), kept where the projections' outputs are: the
+# attention kernel's inputs, which the backward (or its recomputed forward) reads, where only
+# RoPE reads the projections' outputs.
+ROTATED = "rotated"
 
 
 def _projections(prim, *args, **params) -> bool:
   policies = jax.checkpoint_policies
   return (policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-          or policies.save_only_these_names(PROJECTION)(prim, *args, **params))
+          or policies.save_only_these_names(PROJECTION, ROTATED)(prim, *args, **params))
 
 
 # Remat policies by name, each applied to one layer's body (models/transformer.py) and to each

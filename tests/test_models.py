@@ -15,7 +15,7 @@ import kernels
 from configs import llama
 from models import ComputeConfig, ModelConfig, abstract_model, param_names
 from models.builder import init_params, per_layer, stacked
-from models.compute import REMAT_POLICIES
+from models.compute import REMAT_POLICIES, ROTATED
 from models.rope import inverse_frequencies
 
 TINY = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -183,19 +183,20 @@ def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_pa
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("remat", ["none", "selective"])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_no_recompute_keeps_q_and_k_after_rope(qk_norm):
-  """remat="none": the backward reads q and k as the attention took them, after RoPE (named
-  kernel residuals), not the q and k projections' outputs, which only RoPE read: the same bytes,
-  and no RoPE again in the backward (models/attention.py). v is its projection's output. With
-  QK-norm, whose backward reads the projections' outputs, those are kept instead."""
+def test_remat_keeps_q_and_k_after_rope(qk_norm, remat):
+  """remat="none" and "selective": the backward reads q and k as the attention took them, after RoPE (named
+  ROTATED), not the q and k projections' outputs, which only RoPE read: the same bytes, and no
+  RoPE again in the backward (models/attention.py). v is its projection's output. With QK-norm,
+  whose backward reads the projections' outputs, those are kept instead."""
   cfg = dataclasses.replace(TINY, qk_norm=qk_norm)
   params = per_layer(init_params(cfg, jax.random.PRNGKey(0)))
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 16)), jnp.int32)
-  unrolled = ComputeConfig(scan_layers=False)
+  unrolled = ComputeConfig(scan_layers=False, remat=remat)
   kept = saved_residuals(lambda p: jnp.mean(_apply(cfg, p, tokens, compute=unrolled) ** 2), params)
   h, kv, d, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-  rotated = [f"f32[2,16,{n},{d}] named 'kernel_residual'" for n in (h, kv)]
+  rotated = [f"f32[2,16,{n},{d}] named '{ROTATED}'" for n in (h, kv)]
   projected = [f"f32[32,{n},{d}] output of dot_general" for n in (h, kv)]  # [B·L, heads, d]
   assert kept.count(projected[1]) == (2 if qk_norm else 1) * layers  # v (and k)
   assert kept.count(projected[0]) == (layers if qk_norm else 0)
