@@ -44,8 +44,9 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   input and the output projection's dot), q, k, v, the attention output and gate/up split
   (selective: not the attention output, which the flash kernel recomputes), and the flash
   kernel's float32 log-sum-exp per head; with `fp8_layers` also each dense GEMM input quantized
-  twice (1 byte, as is and transposed for the weight gradient): the two norms' outputs, the
-  attention output and the SwiGLU product, which selective remat recomputes. Measured on dense
+  (1 byte): the two norms' outputs, the attention output and the SwiGLU product, which selective
+  remat recomputes: two copies each with the layer scan (its stacks, to the byte), one with the
+  layers stored apart (`layers_apart`: the quantization itself, no other copy). Measured on dense
   layers (one device; tensor=2 with and without SP), not: the fp8 copies under SP, the routed
   experts' fp8 inputs, a dropping MoE's routed terms (the `llama` ones, with 3f). `model`: an
   estimate.ModelSpec; `kv_heads`: the K that attention keeps (default the model's; more where
@@ -83,9 +84,10 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
                            m.embed_dim * e, unsaved * e, rows * e, logit=e + 8)
   lse = 4 * m.num_heads if m.flash_attention else 0  # bytes: float32, per head
   attention_out = m.num_heads * m.v_head_dim() * e + lse  # what selective recomputes
-  # fp8: two 1-byte copies of each dense GEMM input (bytes, like lse); selective recomputes them.
-  fp8_whole = 2 * 2 * m.embed_dim if fp8_layers else 0
-  fp8_split = 2 * (m.num_heads * m.v_head_dim() + dense_f) if fp8_layers else 0
+  # fp8: 1-byte copies of each dense GEMM input (bytes, like lse); selective recomputes them.
+  copies = 0 if not fp8_layers else 1 if getattr(m, "layers_apart", False) else 2
+  fp8_whole = copies * 2 * m.embed_dim
+  fp8_split = copies * (m.num_heads * m.v_head_dim() + dense_f)
   return ActivationTerms((2 * m.embed_dim + latents + whole) * e + fp8_whole,
                          (qkvo + ff) * e + lse + fp8_split, scores, m.embed_dim * e,
                          unsaved * e + fp8_whole, rows * e + attention_out + fp8_split,

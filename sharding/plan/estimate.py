@@ -65,6 +65,7 @@ class ModelSpec:
   context_impl: str = "ring"  # and its context-parallel attention (sharding/plan/context_parallel)
   ulysses_degree: int = 0
   attention_impl: str = "xla"  # the run's request ("auto": flash on GPUs, pipeline stages too)
+  layers_apart: bool = False  # compute.scan_layers=false: each layer's weights apart, unrolled
 
   def attention_params(self) -> int:
     d, dh = self.embed_dim, self.head_dim
@@ -177,7 +178,7 @@ def model_spec(model, compute=None) -> ModelSpec:
                    getattr(model, "mtp_depth", 0), getattr(model, "mla", None),
                    getattr(model, "sliding_window", 0), getattr(model, "full_attention_every", 0),
                    getattr(compute, "context_impl", "ring"), getattr(compute, "ulysses_degree", 0),
-                   impl)
+                   impl, not getattr(compute, "scan_layers", True))
 
 
 @dataclasses.dataclass(frozen=True)
