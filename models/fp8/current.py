@@ -191,7 +191,7 @@ def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=N
   projections pass its compute-dtype copy: models/layers.py).
   Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient. `weight`, for
   tensorwise: quantize_weight(w) computed beforehand (then w only types dw), or None. `x_amax`,
-  for tensorwise: x's amax per sequence, computed by its producer (quantize_operand), or None.
+  for tensorwise: x's amax per sequence, computed by x's producer, or None (quantize_operand).
   """
   return _forward(recipe, eqn, x, w, weight, x_amax)[0]
 

@@ -85,7 +85,7 @@ def activation_terms(model, act_bytes: int, formula: str = "llama",
   lse = 4 * m.num_heads if m.flash_attention else 0  # bytes: float32, per head
   attention_out = m.num_heads * m.v_head_dim() * e + lse  # what selective recomputes
   # fp8: 1-byte copies of each dense GEMM input (bytes, like lse); selective recomputes them.
-  copies = 0 if not fp8_layers else 1 if getattr(m, "layers_apart", False) else 2
+  copies = 0 if not fp8_layers else 1 if m.layers_apart else 2
   fp8_whole = copies * 2 * m.embed_dim
   fp8_split = copies * (m.num_heads * m.v_head_dim() + dense_f)
   return ActivationTerms((2 * m.embed_dim + latents + whole) * e + fp8_whole,
