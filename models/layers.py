@@ -269,11 +269,16 @@ class RMSNorm(nnx.Module):
     self.eps = eps
     self.dtype = dtype
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def _factors(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x in float32, each token's rsqrt(mean(x²) + eps) [..., 1] and the scale [1, ..., D]:
+    the norm is their product."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-    return (x32 * scale).astype(self.dtype)
+    rsqrt = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return x32, rsqrt, self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32, rsqrt, scale = self._factors(x)
+    return (x32 * rsqrt * scale).astype(self.dtype)
 
   def sequence_amax(self, x: jax.Array) -> jax.Array:
     """max|self(x)| over all but the batch dim of x [B, ..., D]: [B], in the compute dtype, for
@@ -284,8 +289,6 @@ class RMSNorm(nnx.Module):
     it. Taken from self(x) instead, XLA:GPU wrote |self(x)| [B, L, D] from the norm's kernel
     and reduced it in another. Equal to that max up to float32 rounding (the products'
     order), rounded to the compute dtype as self(x)'s elements are."""
-    x32 = x.astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + self.eps)
-    scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-    peak = jnp.max(jnp.abs(x32 * scale), axis=-1)
-    return jnp.max(rsqrt * peak, axis=tuple(range(1, x.ndim - 1))).astype(self.dtype)
+    x32, rsqrt, scale = self._factors(x)
+    peak = jnp.max(jnp.abs(x32 * scale), axis=-1, keepdims=True)
+    return jnp.max(rsqrt * peak, axis=tuple(range(1, x.ndim))).astype(self.dtype)

@@ -117,6 +117,19 @@ def test_cublaslt_fp8_gemms_with_triton_gemms_off(recipe, tmp_path):
 
 
 @pytest.mark.slow
+def test_no_kernel_writes_the_norms_output_magnitude(tmp_path):
+  """Tensorwise, XLA's default options: the layer scan's body quantizes its two norms' outputs
+  (bf16 [2, 64, 128] a device) to e4m3, and no fusion writes |norm(x)| (measured before
+  RMSNorm.sequence_amax: 2 in the body, which a second kernel reduced)."""
+  text = h100_program(tmp_path, "tensorwise")
+  kernels = re.findall(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) fusion\(.*?op_name=\"([^\"]*)\"", text,
+                       re.M)
+  assert [t for t, _ in kernels if t.startswith("f8e4m3fn[2,64,128]{")] == [
+      "f8e4m3fn[2,64,128]{2,1,0}"] * 2
+  assert not [k for k in kernels if k[1].endswith("/abs")]
+
+
+@pytest.mark.slow
 def test_without_a_cuda_runtime_version_xla_widens_the_fp8_gemms(tmp_path):
   """The target without its runtime_version line (CUDA taken as 0.0.0): with Triton GEMMs off,
   XLA refuses the cuBLASLt fp8 call and widens every f8 dot to a plain bf16 cuBLASLt GEMM. The

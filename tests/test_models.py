@@ -186,9 +186,9 @@ def test_no_recompute_keeps_matmul_outputs_not_elementwise_intermediates(tiny_pa
 @pytest.mark.parametrize("remat", ["none", "selective"])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_remat_keeps_q_and_k_after_rope(qk_norm, remat):
-  """remat="none" and "selective": the backward reads q and k as the attention took them, after RoPE (named
-  ROTATED), not the q and k projections' outputs, which only RoPE read: the same bytes, and no
-  RoPE again in the backward (models/attention.py). v is its projection's output. With QK-norm,
+  """remat="none" and "selective": the backward reads q and k as the attention took them, after
+  RoPE (named ROTATED), not the q and k projections' outputs, which only RoPE read: the same
+  bytes, and no RoPE again in the backward (models/attention.py). v is its projection's output. With QK-norm,
   whose backward reads the projections' outputs, those are kept instead."""
   cfg = dataclasses.replace(TINY, qk_norm=qk_norm)
   params = per_layer(init_params(cfg, jax.random.PRNGKey(0)))

@@ -198,11 +198,10 @@ def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=N
 
 def _forward(recipe, eqn, x, w, weight=None, x_amax=None):
   gemm = Gemm.parse(eqn)
-  if x_amax is not None and recipe != "tensorwise":
-    raise ValueError(f"an input amax computed beforehand is tensorwise's, not {recipe!r}'s")
+  if (weight is not None or x_amax is not None) and recipe != "tensorwise":
+    raise ValueError(f"a weight quantized or an input amax taken beforehand is tensorwise's,"
+                     f" not {recipe!r}'s")
   qx = quantize_operand(recipe, x, gemm, 0, E4M3, amax=x_amax)
-  if weight is not None and recipe != "tensorwise":
-    raise ValueError(f"a weight quantized beforehand is tensorwise, not {recipe!r}")
   qw = (quantize_operand(recipe, w, gemm, 1, E4M3, weight=True) if weight is None
         else Quantized(weight[0], gemm.b, weight[1], ""))
   # Residuals. tensorwise: the fp8 operands and their scales (1 byte per element), whose scales do
