@@ -235,25 +235,75 @@ def _ragged_round(x_sorted, counts, params, r, *, expert_fn, axes, capacity, int
   # ragged_all_to_all's batching rule fails (an assert in jax/_src/lax/parallel.py).
   batched = sent * 0
   slots = jnp.arange(n, dtype=jnp.int32) * capacity + batched
-  # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity. The output
-  # buffers are zeros typed like the rows they receive (zeros_like keeps x's varying axes): a
-  # plain constant would be cast to varying, and the cast's transpose is an all-reduce of the
-  # whole buffer over every device in the backward. The receive buffer's zeros come from the
-  # counts (a value XLA cannot know is 0), so it is no constant that XLA merges with the
-  # backward's other zeros of its shape (the transposed return's buffer): the collective writes
-  # its buffer in place, and a shared one was copied (Qwen3-30B-A3B EP16: 0.56 s a step).
-  fill = jnp.minimum(sent[0], 0).astype(x_sorted.dtype)
-  recv = jax.lax.ragged_all_to_all(
-      x_sorted, jnp.zeros_like(x_sorted, shape=(n * capacity, d)) + fill,
-      jnp.minimum(start + offset, a), sending, me * capacity + batched, receiving,
-      axis_name=axes)
+  # Sender's chunk for device j lands in j's buffer at slot (my index) x capacity. Each output
+  # buffer is its exchange's own (_zeros_like): a shared receive buffer was copied
+  # (Qwen3-30B-A3B EP16: 0.56 s a step).
+  recv = _exchange(x_sorted, _zeros_like(x_sorted, (n * capacity, d), sent),
+                   jnp.minimum(start + offset, a), sending, me * capacity + batched, receiving,
+                   axes)
   out = _run_received(recv.reshape(n, capacity, d),
                       _received_counts(recv_total, offset, capacity), params, expert_fn)
   # Back: my slot of source s returns to s's sorted array at the offset s sent it from.
-  return jax.lax.ragged_all_to_all(
-      out.reshape(n * capacity, d), jnp.zeros_like(out, shape=(a, d)) if into is None else into,
-      slots, receiving,
-      jnp.minimum(their_start + offset, a), sending, axis_name=axes)
+  return _exchange(out.reshape(n * capacity, d),
+                   _zeros_like(out, (a, d), receiving) if into is None else into,
+                   slots, receiving, jnp.minimum(their_start + offset, a), sending, axes)
+
+
+def _zeros_like(x, shape, sizes, at: int = 0):
+  """Zeros of `shape` typed like x, made from `sizes[at]` (a value XLA cannot know is 0), for an
+  output buffer that a ragged all-to-all writes in place: zeros from a constant XLA merges with
+  the other zeros of that shape (another exchange's buffer, of the other chunk or the other
+  direction), and then copies each buffer the collectives share. zeros_like keeps x's varying
+  axes: a plain constant would be cast to varying, and the cast's transpose is an all-reduce of
+  the whole buffer over every device in the backward."""
+  return jnp.zeros_like(x, shape=shape) + jnp.minimum(sizes[at], 0).astype(x.dtype)
+
+
+def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes):
+  """jax.lax.ragged_all_to_all, transposed as JAX transposes it but into a buffer of its own
+  (_zeros_like): JAX's rule takes a constant of zeros, which XLA merged across a layer's four
+  transposed exchanges of equal shapes and copied for three of them (the Qwen3-30B-A3B EP16
+  force-balanced step: 3 copies of bf16 [16384, 2048] a layer, 0.44 s). Its output is named a
+  kernel's residual: remat="none" keeps it, as it keeps the primitive's (models/compute.py),
+  where the custom gradient would hide the primitive from the policy."""
+  return keep(_ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      axes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes):
+  return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                   recv_sizes, axis_name=axes)
+
+
+def _ragged_forward(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                    axes):
+  rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # the operand's rows and type, 0 bytes
+  return (_ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes),
+          (rows, input_offsets, send_sizes, output_offsets, recv_sizes))
+
+
+def _ragged_backward(axes, residuals, t):
+  rows, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
+  # Each device's rows go back from where they landed to where they were sent from.
+  landed = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
+  sent_from = jax.lax.all_to_all(input_offsets, axes, 0, 0, tiled=True)
+  # The buffer from the sizes' last element: the forward's buffers take the first, and the
+  # transposed return's sizes are the forward return's (of the same shape where the pairs are
+  # balanced).
+  operand_t = jax.lax.ragged_all_to_all(
+      t, _zeros_like(t, (rows.shape[0], *t.shape[1:]), send_sizes, at=-1), landed, recv_sizes,
+      sent_from, send_sizes, axis_name=axes)
+  # The output buffer's rows the exchange overwrote get no gradient; the rest pass through.
+  # Marked by adds (JAX's rule sets the starts: a source of no rows landing where the next
+  # one starts would then unmark that one's rows).
+  marks = jnp.zeros(t.shape[0], jnp.int32).at[landed].add(1).at[landed + recv_sizes].add(-1)
+  received = (jnp.cumsum(marks) > 0).reshape(-1, *[1] * (t.ndim - 1))
+  output_t = jnp.where(received, jnp.zeros((), t.dtype), t)
+  return operand_t, output_t, None, None, None, None
+
+
+_ragged.defvjp(_ragged_forward, _ragged_backward)
 
 
 _ROUNDS = {"padded": _padded_round, "ragged": _ragged_round}
