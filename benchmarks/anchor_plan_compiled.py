@@ -22,7 +22,8 @@ import json
 import os
 
 from benchmarks import anchor_planner
-from benchmarks.anchor_recipes import ANCHORS, PEAK_LIMIT_GIB, Anchor, anchor_layout, config
+from benchmarks.anchor_recipes import (ANCHORS, PEAK_LIMIT_GIB, Anchor, anchor_layout, config,
+                                       scales_per_rank)
 from sharding.layout import Layout
 from sharding.plan import hardware, planner
 from sharding.xla import compiled
@@ -46,7 +47,9 @@ def candidate_config(a: Anchor, layout: Layout):
     cfg.compute = dataclasses.replace(cfg.compute, scan_layers=True)
   if layout.context > 1:
     cfg.compute = dataclasses.replace(cfg.compute, context_impl=layout.context_impl)
-  return cfg
+  cfg.compute = dataclasses.replace(cfg.compute, fp8=dataclasses.replace(
+      cfg.compute.fp8, sequences_per_scale=1))  # then the candidate's own micro-batch
+  return scales_per_rank(cfg, a.gpus)
 
 
 def top_layouts(a: Anchor) -> tuple[str, int | None, list]:

@@ -121,6 +121,7 @@ class Einsum(nnx.Module):
     self.tokens_split = tokens_split
     self.fp8_recipe = fp8.recipe if fp8 is not None else None  # plain str and int: static
     self.fp8_margin = fp8.margin if fp8 is not None else None
+    self.fp8_group = fp8.sequences_per_scale if fp8 is not None else 1
     if self.fp8_recipe == "delayed":
       for name in fp8_ops.HISTORIES:  # float32 whatever the param dtype: amaxes span decades
         setattr(self, name, logical_param(jnp.zeros((fp8.amax_history,), jnp.float32),
@@ -141,6 +142,8 @@ class Einsum(nnx.Module):
     if self.fp8_recipe is not None:
       x_amax = input_amax() if input_amax is not None and self.fp8_recipe == "tensorwise" \
           else None
+      if self.fp8_group > 1 and eqn.startswith("BL") and "->BL" in eqn:
+        return self._grouped_einsum(eqn, x, w, weight, x_amax)
       return quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax)
     if eqn.startswith("BL") and "->BL" in eqn and not self.tokens_split:
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
@@ -152,6 +155,17 @@ class Einsum(nnx.Module):
                        x.reshape(-1, *x.shape[2:]), w)
       return y.reshape(*x.shape[:2], *y.shape[1:])
     return self._einsum(eqn, x, w)
+
+  def _grouped_einsum(self, eqn: str, x: jax.Array, w: jax.Array, weight, x_amax) -> jax.Array:
+    """Tensorwise fp8 with one scale per `fp8_group` consecutive sequences: each group as one
+    sequence of its tokens (a free reshape on a device holding whole groups, which the layout
+    checks: sharding/resolution.py), whose per-sequence scale is then the group's."""
+    b, length, group = x.shape[0], x.shape[1], self.fp8_group
+    x = x.reshape(b // group, group * length, *x.shape[2:])
+    if x_amax is not None:
+      x_amax = jnp.max(x_amax.reshape(b // group, group), axis=1)
+    y = quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax)
+    return y.reshape(b, length, *y.shape[2:])
 
   def _einsum(self, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if hasattr(self, "w_sum"):  # the step's float32 sum of w's gradients (attach_gradient_sums)

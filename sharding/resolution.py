@@ -20,7 +20,7 @@ from sharding.pipeline import schedules, stage_split
 
 # The compute settings the layout reads (models.compute.ComputeConfig), and their defaults.
 COMPUTE_DEFAULTS = {"attention_impl": "auto", "context_impl": "ring", "ulysses_degree": 0,
-                    "collective_matmul": False, "remat": "none"}
+                    "collective_matmul": False, "remat": "none", "fp8": None}
 
 
 def _settings(compute) -> types.SimpleNamespace:
@@ -72,6 +72,7 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
                         " layers) and no multi-token prediction; set pipeline_recompute=true")
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
+  _check_fp8_groups(layout, compute.fp8, model, seq_len)
   if compute.collective_matmul and layout.tensor > 1 and not layout.sequence_parallel:
     raise LayoutError("compute.collective_matmul decomposes sequence parallelism's all-gather and"
                       " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
@@ -90,6 +91,27 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
         [f"context x tensor = {context * tensor} (sequence parallelism)"]
         if layout.sequence_parallel else [])
     raise LayoutError(f"seq_len={seq_len} is not divisible by {' and by '.join(needs)}")
+
+
+def splits_sequences(layout: Layout, model, seq_len: int) -> bool:
+  """Whether `layout` (layout_of's, before the rules are resolved) splits the sequence of some
+  activation over devices under its default rules (Layout.tokens_split)."""
+  return dataclasses.replace(layout, rules=layout.rules_for(model.vocab_size, seq_len)).tokens_split
+
+
+def _check_fp8_groups(layout: Layout, fp8, model, seq_len: int) -> None:
+  """compute.fp8.sequences_per_scale groups whole sequences of one device (models/layers.py)."""
+  group = fp8.sequences_per_scale if fp8 is not None and fp8.enabled else 1
+  if group == 1:
+    return
+  if splits_sequences(layout, model, seq_len):
+    raise LayoutError(f"compute.fp8.sequences_per_scale={group} scales whole sequences together,"
+                      " and this layout splits each sequence over devices (sequence or context"
+                      " parallelism): set it to 1")
+  if layout.micro_batch % group:
+    raise LayoutError(f"compute.fp8.sequences_per_scale={group} does not divide the"
+                      f" {layout.micro_batch} sequences each device takes per microbatch: set it"
+                      " to a divisor of batch_size / (microbatches x data-parallel size)")
 
 
 _PIPELINE_RING = ("context_impl={impl} sends its ring's blocks by collective-permutes, which cannot"

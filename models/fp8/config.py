@@ -26,6 +26,13 @@ class Fp8Config:
                   blocks; contracted and weight dims of at most 128 or a multiple of 128.
   Under model.moe.dispatch="dropless" the experts take tensorwise or rowwise, per expert, with
   e4m3 output gradients (models/fp8/grouped.py).
+
+  `sequences_per_scale`, tensorwise: the sequences of a token array that share one scale, in
+  consecutive groups (1: each sequence its own). A device's micro-batch is what torchao's
+  Float8 and Transformer Engine scale together, each rank its own; a divisor of it keeps the
+  amaxes on the device (sharding/resolution.py refuses others, and layouts that split
+  sequences), and with more than one sequence a scale the weight gradient's GEMM sums the
+  group's sequences itself instead of holding one product per sequence.
   """
 
   enabled: bool = False
@@ -33,6 +40,7 @@ class Fp8Config:
   amax_history: int = 16
   margin: int = 0
   targets: str = "attention,mlp,experts"  # comma-separated subset of FP8_TARGETS
+  sequences_per_scale: int = 1
 
   def applies_to(self, target: str) -> bool:
     return self.enabled and target in self.targets.split(",")
@@ -47,6 +55,10 @@ class Fp8Config:
     if self.margin and self.recipe != "delayed":
       raise ValueError(f"compute.fp8.margin={self.margin} is the delayed recipe's headroom;"
                        f" recipe {self.recipe!r} scales by the current amax: set it to 0")
+    if self.sequences_per_scale < 1 or (self.sequences_per_scale > 1
+                                        and self.recipe != "tensorwise"):
+      raise ValueError(f"compute.fp8.sequences_per_scale={self.sequences_per_scale} must be 1, or"
+                       f" more with recipe 'tensorwise' (got {self.recipe!r})")
     unknown = [t for t in self.targets.split(",") if t not in FP8_TARGETS]
     if unknown:
       raise ValueError(f"compute.fp8.targets={self.targets!r} names {unknown}, not in"
