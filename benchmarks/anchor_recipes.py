@@ -19,8 +19,7 @@ import dataclasses
 
 from configs import llama, moe
 from models.fp8.config import Fp8Config
-from sharding.mesh import MeshConfig
-from sharding.resolution import splits_sequences
+from sharding.mesh import LayoutError, MeshConfig
 from sharding.xla import compiled
 
 MEGATRON_BRIDGE = "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100"
@@ -245,17 +244,21 @@ def config(a: Anchor):
 
 
 def scales_per_rank(cfg, num_devices: int):
-  """`cfg` with one tensorwise fp8 scale per device's micro-batch, where the layout keeps
-  sequences whole (compute.fp8.sequences_per_scale): each rank's, as torchao's Float8 and
-  Transformer Engine scale theirs. The Megatron-Bridge recipes run 1 sequence a micro-batch."""
+  """`cfg` with one tensorwise fp8 scale per device's micro-batch
+  (compute.fp8.sequences_per_scale) where its layout takes that: each rank's, as torchao's
+  Float8 and Transformer Engine scale theirs. The Megatron-Bridge recipes run 1 sequence a
+  micro-batch."""
   fp8 = cfg.compute.fp8
   if not (fp8.enabled and fp8.recipe == "tensorwise"):
     return cfg
-  layout = cfg.layout(num_devices)
-  if layout.micro_batch > 1 and not splits_sequences(layout, cfg.model, cfg.seq_len):
-    cfg.compute = dataclasses.replace(cfg.compute, fp8=dataclasses.replace(
-        fp8, sequences_per_scale=layout.micro_batch))
-  return cfg
+  sequences = cfg.layout(num_devices).micro_batch
+  fp8 = dataclasses.replace(fp8, sequences_per_scale=sequences)
+  grouped = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, fp8=fp8))
+  try:
+    grouped.layout(num_devices)
+  except LayoutError:  # context parallelism in the load-balanced order: per sequence
+    return cfg
+  return grouped
 
 
 def anchor_layout(a: Anchor):

@@ -21,6 +21,8 @@ RESIDUAL = ("batch", "res_seq", "act_embed")
 # attention, 2 in the MLP, each again in the backward): one constraint makes it one gather, and
 # its transpose one reduce-scatter of the summed input gradients (Megatron-SP's collectives).
 GATHERED = ("batch", "seq", "act_embed")
+# The same with the sequences in groups (sequence_groups): a sequence's place in its group after B.
+GROUPS_RESIDUAL, GROUPS_GATHERED = (("batch", None, *n[1:]) for n in (RESIDUAL, GATHERED))
 
 
 def gather_sequence(x_BLD: jax.Array, dtype) -> jax.Array:
@@ -51,29 +53,53 @@ def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out
   if einsums[0].tokens_split and all(e.fp8_recipe == "tensorwise" for e in einsums):
     weights = tuple(tuple(e.w_fp8.get_value()[:2]) if hasattr(e, "w_fp8") else None
                     for e in einsums)
-    dtype = einsums[0].dtype
-    sum_dx = functools.partial(reduce_input_gradient, layout, tuple(eqns), tuple(out_names))
-    ys = shared_input_einsums(tuple(eqns), gather_fp8_input, sum_dx, x_BLD.astype(dtype),
-                              tuple(e.w[...].astype(e.dtype) for e in einsums), weights,
-                              None if input_amax is None else input_amax())
-    return tuple(constrain(y, names) for y, names in zip(ys, out_names))
+    dtype, group = einsums[0].dtype, einsums[0].fp8_group
+    x, eqns_x = x_BLD.astype(dtype), tuple(eqns)
+    x_amax = None if input_amax is None else input_amax()
+    gather, names_x = gather_fp8_input, tuple(out_names)
+    if group > 1:  # each output gets the group's place after B: unnamed, not split
+      eqns_x, x, x_amax = sequence_groups(group, eqns_x, x, x_amax)
+      gather, names_x = gather_fp8_groups, tuple((n[0], None, *n[1:]) for n in out_names)
+    sum_dx = functools.partial(reduce_input_gradient, layout, eqns_x, names_x)
+    ys = shared_input_einsums(eqns_x, gather, sum_dx, x,
+                              tuple(e.w[...].astype(e.dtype) for e in einsums), weights, x_amax)
+    return tuple(constrain(y.reshape(x_BLD.shape[0], *y.shape[2 if group > 1 else 1:]), names)
+                 for y, names in zip(ys, out_names))
   if gather_once:
     x_BLD = gather_sequence(x_BLD, einsums[0].dtype)
   return tuple(constrain(e(eqn, x_BLD, input_amax), names)
                for e, eqn, names in zip(einsums, eqns, out_names))
 
 
+def sequence_groups(group: int, eqns: Sequence[str], x_BLD: jax.Array, x_amax=None) -> tuple:
+  """Tensorwise fp8's sequences in consecutive groups of `group` (compute.fp8.sequences_per_scale):
+  the einsums with a letter after B for a sequence's place in its group, x as [B / group, group,
+  L, ...] and its per-sequence amax as the groups' (or None). Tensorwise scales per B
+  (models/fp8/current.py), so each group shares one scale; B splits over devices holding whole
+  groups (sharding/resolution.py checks it), the sequence as it was."""
+  place = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if all(c not in e for e in eqns))
+  def grouped(eqn):  # x's and the output's B; the weight has none
+    (x, w), out = eqn.split("->")[0].split(","), eqn.split("->")[1]
+    return f"{x.replace('B', 'B' + place)},{w}->{out.replace('B', 'B' + place)}"
+  eqns = tuple(map(grouped, eqns))
+  b = x_BLD.shape[0]
+  x_amax = None if x_amax is None else jnp.max(x_amax.reshape(b // group, group), axis=1)
+  return eqns, x_BLD.reshape(b // group, group, *x_BLD.shape[1:]), x_amax
+
+
 def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.Array:
   """x's gradient in shared_input_einsums: its GEMMs' dx terms summed on each device and
   reduce-scattered once to the residual's layout. Reduced per GEMM, as XLA placed it, q, k and v
   took 3 reduce-scatters and gate and up 2 (the 70B TP4 PP8 recipe's largest collective)."""
+  grouped = len(Gemm.parse(eqns[0]).a) > len(GATHERED)  # x in sequence_groups
+  gathered, residual = (GROUPS_GATHERED, GROUPS_RESIDUAL) if grouped else (GATHERED, RESIDUAL)
   names = []
   for eqn, out in zip(eqns, out_names):
     gemm = Gemm.parse(eqn)
-    by_letter = dict(zip(gemm.a, GATHERED)) | dict(zip(gemm.out, out))
+    by_letter = dict(zip(gemm.a, gathered)) | dict(zip(gemm.out, out))
     scale = tuple(by_letter[c] for c in sequence_scale(gemm.out))  # the output gradient's
     names.append((out, scale, tuple(by_letter[c] for c in gemm.b), ()))
-  return logical_sum_reduce_scatter(layout, terms, names, GATHERED, RESIDUAL, "projection dx")
+  return logical_sum_reduce_scatter(layout, terms, names, gathered, residual, "projection dx")
 
 
 def gather_fp8_input(x_BLD: jax.Array) -> jax.Array:
@@ -81,6 +107,11 @@ def gather_fp8_input(x_BLD: jax.Array) -> jax.Array:
   stable static argument)."""
   # Quantized where it lies (RESIDUAL), or XLA gathers the float32 x * scale before the cast.
   return constrain(constrain(x_BLD, RESIDUAL), GATHERED)
+
+
+def gather_fp8_groups(x: jax.Array) -> jax.Array:
+  """gather_fp8_input for x in sequence_groups ([B / group, group, L, D])."""
+  return constrain(constrain(x, GROUPS_RESIDUAL), GROUPS_GATHERED)
 
 
 def projection_kw(cfg, compute, layout, rngs: nnx.Rngs, target: str | None = None) -> dict:
@@ -157,15 +188,10 @@ class Einsum(nnx.Module):
     return self._einsum(eqn, x, w)
 
   def _grouped_einsum(self, eqn: str, x: jax.Array, w: jax.Array, weight, x_amax) -> jax.Array:
-    """Tensorwise fp8 with one scale per `fp8_group` consecutive sequences: each group as one
-    sequence of its tokens (a free reshape on a device holding whole groups, which the layout
-    checks: sharding/resolution.py), whose per-sequence scale is then the group's."""
-    b, length, group = x.shape[0], x.shape[1], self.fp8_group
-    x = x.reshape(b // group, group * length, *x.shape[2:])
-    if x_amax is not None:
-      x_amax = jnp.max(x_amax.reshape(b // group, group), axis=1)
-    y = quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax)
-    return y.reshape(b, length, *y.shape[2:])
+    """Tensorwise fp8 with one scale per `fp8_group` consecutive sequences (sequence_groups)."""
+    eqn, x, x_amax = sequence_groups(self.fp8_group, (eqn,), x, x_amax)
+    y = quantized_einsum(self.fp8_recipe, eqn[0], x, w, weight, x_amax)
+    return y.reshape(-1, *y.shape[2:])
 
   def _einsum(self, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if hasattr(self, "w_sum"):  # the step's float32 sum of w's gradients (attach_gradient_sums)
