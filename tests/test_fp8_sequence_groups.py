@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,9 +124,38 @@ def weight_gradient_products(group: int, tmp_path) -> list[str]:
           if re.search(r"= \(?(" + "|".join(re.escape(s) for s in shapes) + r")", line)]
 
 
-def test_the_weight_gradient_gemm_sums_a_groups_sequences(tmp_path):
-  """Per-sequence scales: the MLP's weight-gradient GEMMs write one product per sequence
-  (bf16 [2, D, F]), summed after their division by the scales. With the device's 2 sequences
-  one group, no such array is left."""
+def gradient_dots(group: int) -> list[tuple[int, ...]]:
+  """Output shapes of the dots in one projection's gradient on 2 sequences."""
+  graph, params = nnx.split(projection(group))
+  x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+  grad = jax.grad(lambda p: jnp.sum(nnx.merge(graph, p)(EQN, x) ** 2))
+  jaxpr = jax.make_jaxpr(grad)(params)
+  return [tuple(e.outvars[0].aval.shape) for e in dot_equations(jaxpr.jaxpr)]
+
+
+def dot_equations(jaxpr) -> list:
+  """dot_general equations of a jaxpr and of the jaxprs nested in its equations."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += dot_equations(sub)
+  return found
+
+
+def test_the_weight_gradient_gemm_sums_a_groups_sequences():
+  """Per-sequence scales: the weight gradient is one product per sequence ([2, D, F]), summed
+  after their division by the scales. With the 2 sequences one group, the GEMM contracts over
+  both and writes [1, D, F]."""
+  assert (2, 32, 48) in gradient_dots(1)
+  assert (2, 32, 48) not in gradient_dots(2) and (1, 32, 48) in gradient_dots(2)
+
+
+@pytest.mark.slow
+def test_the_h100_programs_weight_gradients_sum_a_groups_sequences(tmp_path):
+  """The same in the debug Llama's 8xH100 program at 2 sequences a device (fsdp=8): per
+  sequence, the MLP's weight-gradient GEMMs write bf16 [2, D, F] products; with the device's 2
+  sequences one group, no such array is left."""
   assert weight_gradient_products(1, tmp_path)
   assert not weight_gradient_products(2, tmp_path)
