@@ -211,7 +211,11 @@ ANCHORS = (
            512, 4096, 8, "none",
            "not the anchor's layout or model: GQA attention, no TP, 512 GPUs, 512 sequences a"
            " step, bf16", routing="meshtron: dropless, its real router",
-           before="failed to compile: a Pallas expert kernel's region in a pipeline stage"),
+           before="issue [26]'s settings under today's code; it failed to compile until the"
+           " twenty-ninth session (a Pallas expert kernel's region in a pipeline stage, then a"
+           " cotangent typed without its pipeline axis, `Expected cotangent type"
+           " float32[1,4096,8]{V:pipeline}`), and compiles since that session's exchange"
+           " gradient (sharding/exchange_rounds.py), not traced further"),
     Anchor("DeepSeek-V3-like, PP8 EP64, now", "the row above's program after issue [26]'s"
            " changes so far: it compiles (the expert region checks its varying axes in a"
            " pipeline stage on GPUs), the flash kernel inside the stages, remat none keeping"
