@@ -1,4 +1,4 @@
-"""sharding/exchange_rounds.py's `_exchange`: ragged_all_to_all with a transpose of its own,
+"""sharding/exchange_rounds.py's `ragged_exchange`: ragged_all_to_all with a transpose of its own,
 whose zero buffers XLA cannot merge. XLA:CPU cannot run ragged_all_to_all, so its gradient is
 checked against autodiff of an emulation in collectives the CPU runs (the primitive's
 semantics, written out), and its program on the deviceless 8xH100 compile."""
@@ -57,8 +57,8 @@ def sizes_and_offsets(seed: int, packed: bool):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_exchanges_gradient_is_the_transpose_of_the_exchange(monkeypatch, packed):
-  """The vjp of `_exchange` (its own backward) equals autodiff's of the emulated primitive, for
-  the operand and for the output buffer's rows the exchange leaves."""
+  """The vjp of `ragged_exchange` (its own backward) equals autodiff's of the emulated primitive,
+  for the operand and for the output buffer's rows the exchange leaves."""
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   mesh = Mesh(np.array(jax.devices()[:N]), ("e",))
   keys = jax.random.split(jax.random.key(0), 3)
@@ -77,7 +77,7 @@ def test_the_exchanges_gradient_is_the_transpose_of_the_exchange(monkeypatch, pa
                                                                      *offsets)]
     return jax.jit(f)(*args)
 
-  ours = vjp_of(lambda *a: exchange_rounds._exchange(*a, "e"))
+  ours = vjp_of(lambda *a: exchange_rounds.ragged_exchange(*a, "e"))
   reference = vjp_of(functools.partial(emulated_ragged_all_to_all, axis_name="e"))
   received = np.abs(np.asarray(reference[0] - output)).sum(axis=-1) > 0
   assert received.any() and not received.all()  # some rows written, some kept
