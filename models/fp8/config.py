@@ -30,9 +30,9 @@ class Fp8Config:
   `sequences_per_scale`, tensorwise: the sequences of a token array that share one scale, in
   consecutive groups (1: each sequence its own). A device's micro-batch is what torchao's
   Float8 and Transformer Engine scale together, each rank its own; a divisor of it keeps the
-  groups on the device (sharding/resolution.py refuses others), and with more than one
-  sequence a scale the weight gradient's GEMM sums the group's sequences itself instead of
-  holding one product per sequence.
+  groups on the device (sharding/resolution.py refuses others, and context parallelism in the
+  load-balanced order), and with more than one sequence a scale the weight gradient's GEMM sums
+  the group's sequences itself instead of holding one product per sequence.
   """
 
   enabled: bool = False
