@@ -56,11 +56,12 @@ def project_shared(layout, einsums: Sequence["Einsum"], eqns: Sequence[str], out
     dtype, group = einsums[0].dtype, einsums[0].fp8_group
     x, eqns_x = x_BLD.astype(dtype), tuple(eqns)
     x_amax = None if input_amax is None else input_amax()
-    gather, names_x = gather_fp8_input, tuple(out_names)
-    if group > 1:  # each output gets the group's place after B: unnamed, not split
+    gather, names_x, input_names = gather_fp8_input, tuple(out_names), (GATHERED, RESIDUAL)
+    if group > 1:  # each array gets the group's place after B: unnamed, not split
       eqns_x, x, x_amax = sequence_groups(group, eqns_x, x, x_amax)
       gather, names_x = gather_fp8_groups, tuple((n[0], None, *n[1:]) for n in out_names)
-    sum_dx = functools.partial(reduce_input_gradient, layout, eqns_x, names_x)
+      input_names = (GROUPS_GATHERED, GROUPS_RESIDUAL)
+    sum_dx = functools.partial(reduce_input_gradient, layout, eqns_x, names_x, input_names)
     ys = shared_input_einsums(eqns_x, gather, sum_dx, x,
                               tuple(e.w[...].astype(e.dtype) for e in einsums), weights, x_amax)
     return tuple(constrain(y.reshape(x_BLD.shape[0], *y.shape[2 if group > 1 else 1:]), names)
@@ -87,12 +88,14 @@ def sequence_groups(group: int, eqns: Sequence[str], x_BLD: jax.Array, x_amax=No
   return eqns, x_BLD.reshape(b // group, group, *x_BLD.shape[1:]), x_amax
 
 
-def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, terms) -> jax.Array:
+def reduce_input_gradient(layout, eqns: tuple, out_names: tuple, input_names: tuple,
+                          terms) -> jax.Array:
   """x's gradient in shared_input_einsums: its GEMMs' dx terms summed on each device and
   reduce-scattered once to the residual's layout. Reduced per GEMM, as XLA placed it, q, k and v
-  took 3 reduce-scatters and gate and up 2 (the 70B TP4 PP8 recipe's largest collective)."""
-  grouped = len(Gemm.parse(eqns[0]).a) > len(GATHERED)  # x in sequence_groups
-  gathered, residual = (GROUPS_GATHERED, GROUPS_RESIDUAL) if grouped else (GATHERED, RESIDUAL)
+  took 3 reduce-scatters and gate and up 2 (the 70B TP4 PP8 recipe's largest collective).
+  `input_names`: x's names gathered and as the residual (GATHERED, RESIDUAL, or their
+  sequence_groups forms)."""
+  gathered, residual = input_names
   names = []
   for eqn, out in zip(eqns, out_names):
     gemm = Gemm.parse(eqn)

@@ -72,18 +72,17 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
                         " layers) and no multi-token prediction; set pipeline_recompute=true")
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
-  _check_fp8_groups(layout, compute.fp8, load_balanced(getattr(model, "sliding_window", 0),
-                                                       compute.context_impl))
-  if compute.collective_matmul and layout.tensor > 1 and not layout.sequence_parallel:
-    raise LayoutError("compute.collective_matmul decomposes sequence parallelism's all-gather and"
-                      " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
   # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,
   # into 1 in the contiguous order a sliding window or Ulysses runs with.
   context, tensor = layout.context, layout.tensor
   impl = compute.context_impl
+  balanced = load_balanced(getattr(model, "sliding_window", 0), impl)
+  _check_fp8_groups(layout, compute.fp8, balanced)
+  if compute.collective_matmul and layout.tensor > 1 and not layout.sequence_parallel:
+    raise LayoutError("compute.collective_matmul decomposes sequence parallelism's all-gather and"
+                      " reduce-scatter: set mesh.sequence_parallel=true (or tensor=1)")
   if context > 1:
     _check_ulysses(impl, compute.ulysses_degree, context, model.num_heads // tensor)
-  balanced = load_balanced(getattr(model, "sliding_window", 0), impl)
   chunks = context * (2 if balanced and context > 1 else 1)
   seq_split = math.lcm(chunks, context * (tensor if layout.sequence_parallel else 1))
   if seq_len % seq_split:

@@ -245,7 +245,8 @@ def test_sequence_parallel_projections_reduce_their_input_gradient_once():
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
   want = step(sum_terms)(x, ws, cs)
-  once = step(functools.partial(reduce_input_gradient, layout, eqns, (heads,) * 3))
+  once = step(functools.partial(reduce_input_gradient, layout, eqns, (heads,) * 3,
+                                (GATHERED, RESIDUAL)))
   with layout.scope():
     # As in the model: x sequence-split, the output gradients split by heads.
     args = (jax.device_put(x, named_sharding(RESIDUAL, x.shape)), ws,
