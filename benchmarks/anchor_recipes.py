@@ -168,12 +168,13 @@ ANCHORS = (
     Anchor("Llama-3.1-405B, PP16 TP8, now", "the row above's program after issue [26]'s"
            " changes so far: each sequence-parallel activation gathered once, the flash kernel"
            " inside the stages, a forward and a backward in each steady tick (paired_1f1b), the"
-           " head on every stage",
+           " head on every stage, bf16 weights with float32 master copies (each tick had cast"
+           " its chunk's float32 weights to bf16 again: 54.1 tok/s/GPU at 71.5 GiB without)",
            "26.06 (the figure of the row"
            " above)", 326, "bf16", "llama3_405b", 128,
            dict(tensor=8, pipeline=16, sequence_parallel=True, pipeline_schedule="paired_1f1b"),
            16, 4096, 16, "full",
-           "as the row above"),
+           "as the row above", master_weights=True),
     Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16", f"{MEGATRON_BRIDGE}: 16 GPUs, FP8, GBS"
            " 1024, MBS 1, seq 4096, EP16 (DP 16), no recompute; recipe"
            " qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config", "26.06 (newest H100 row; 26.02:"
@@ -205,6 +206,14 @@ ANCHORS = (
            " hold 4 each, twice)",
            compute=_fp8(), routing=_FORCE_BALANCED,
            master_weights=True, moe=MOE_EXCHANGE),
+    Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64, buffers as if force-balanced",
+           f"{MEGATRON_BRIDGE}: as the row above", "25.09 (the figure of the row above)", 1_297,
+           FP8_CS, "deepseek_v3", 1024,
+           dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="paired_1f1b",
+                expert=64, sequence_parallel=True, zero_stage=1),
+           8192, 4096, 128, "selective", "as the row above", compute=_fp8(),
+           routing=_AS_IF_BALANCED, master_weights=True,
+           moe=(("exchange_capacity", 1.0), *MOE_EXCHANGE)),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
            " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"
            " above)", 1_297, "bf16", "deepseek_v3_like", 512, dict(pipeline=8, expert=64),

@@ -21,7 +21,8 @@ def format_memory(cand: planner.Candidate, title: str, hw: hardware.HardwareProf
   lines.append(f"  {'total':<26}{m.total / estimate.GB:10.2f} GB of"
                f" {hw.memory_bytes / estimate.GB:.0f} GB:"
                f" {'fits' if cand.fits else 'DOES NOT FIT'}")
-  lines.append(f"predicted step {t.step_s:.3f} s (compute {t.compute_s:.3f}, bubble"
+  lines.append(f"predicted step {t.step_s:.3f} s (compute {t.compute_s:.3f}, of it memory-bound"
+               f" {t.memory_bound_s:.3f}, bubble"
                f" {t.bubble_s:.3f}, exposed communication {t.exposed_comm_s:.3f});"
                f" {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {t.mfu:.1%}")
   return "\n".join(lines)

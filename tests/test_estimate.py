@@ -72,6 +72,14 @@ def test_mixed_precision_state_and_zero_stages_by_hand():
                      experts=4096) == (15776, 15776, 36672)
   # fp32 gradient accumulation adds 4 bytes to the gradient term: 2 + 4 per parameter.
   assert state_bytes(7808, 80, Layout(), PLAYBOOK_MIXED_FP32_ACCUM)[1] == 6 * 7888
+  # ZeRO-2 over data=2 x context=2: the gradients split 4 ways, 2 x (1952 + 80) = 4064; in
+  # pipeline stages, which keep each device's sums of its parts of the sequences whole
+  # (Layout.stage_sequence_axes), only over data: 2 x (3904 + 80) = 7968.
+  assert Layout(data=2, context=2, pipeline=2).stage_sequence_axes == ("context",)
+  assert state_bytes(7808, 80, Layout(data=2, context=2, zero_stage=2),
+                     PLAYBOOK_MIXED)[1] == 4064
+  assert state_bytes(7808, 80, Layout(data=2, context=2, pipeline=2, zero_stage=2),
+                     PLAYBOOK_MIXED) == (15776, 7968, 24384)
 
 
 def test_trainer_precision_is_what_the_trainer_stores():
@@ -333,20 +341,22 @@ def test_meshtron_s_kernels_are_priced_at_the_compiled_program_model_s_constants
   """SMALL per token: 2 layers x 6 x 2,304 linear and 6 x 1,600 head FLOPs on GEMMs at 0.807 of
   the peak, 2 x 768 attention-score FLOPs, which meshtron's flash kernels run as 9 matmuls where
   the count has 6, at 0.35 (without flash, as dots at 0.807); selective remat adds each layer's
-  scores forward (256) at its count. The playbook's nanotron runs price every FLOP at the one
-  fitted matmul_efficiency."""
+  scores forward (256) at its count. Memory-bound kernels move 3,416 bytes a token (4,632 with
+  selective's recomputed forwards; tests/test_plan_memory_bound.py) at copy_bandwidth. The
+  playbook's nanotron runs price every FLOP at the one fitted matmul_efficiency."""
   hw, bf16 = hardware.PROFILES["h100"], hardware.PROFILES["h100"].peak_bf16_flops
   passes = 3 * SMALL.num_layers * hw.layer_overhead_s  # one microbatch
   flash = dataclasses.replace(SMALL, flash_attention=True)
   gemm = SEQ * (2 * 6 * 2304 + 6 * 1600) / (bf16 * hw.gemm_peak_fraction)
-  for remat, recomputed in (("none", 0), ("selective", 2 * 256)):
+  for remat, recomputed, moved in (("none", 0, 3416), ("selective", 2 * 256, 4632)):
     layout = Layout(remat=remat)
+    memory = SEQ * moved / hw.copy_bandwidth
     st = hardware.step_time(flash, layout, SEQ, PLAYBOOK_MIXED, hw)
-    assert st.compute_s == pytest.approx(gemm + passes + SEQ * (2 * 768 * 9 / 6 + recomputed) / (
-        bf16 * hw.flash_triton_fraction))
+    assert st.compute_s == pytest.approx(gemm + passes + memory + SEQ * (
+        2 * 768 * 9 / 6 + recomputed) / (bf16 * hw.flash_triton_fraction))
     dots = hardware.step_time(SMALL, layout, SEQ, PLAYBOOK_MIXED, hw)
-    assert dots.compute_s == pytest.approx(gemm + passes + SEQ * (2 * 768 + recomputed) / (
-        bf16 * hw.gemm_peak_fraction))
+    assert dots.compute_s == pytest.approx(gemm + passes + memory + SEQ * (
+        2 * 768 + recomputed) / (bf16 * hw.gemm_peak_fraction))
     uniform = hardware.step_time(flash, layout, SEQ, PLAYBOOK_MIXED, hw, uniform_matmuls=True)
     assert uniform.compute_s == pytest.approx(
         hardware.hardware_flops_per_device(SMALL, layout, SEQ) / bf16 / hw.matmul_efficiency
@@ -357,18 +367,21 @@ def test_meshtron_s_kernels_are_priced_at_the_compiled_program_model_s_constants
 def test_fp8_training_prices_the_layers_gemms_on_fp8_tensor_cores():
   """compute.fp8 (attention and MLP linears, experts in a MoE) moves the layers' GEMMs, 6 x 2,304
   matmul params a layer and token, to peak_fp8_flops; the scores (6 H Dh s = 768 a layer and
-  token) and the head (6 x 1,600) stay on bf16 peak."""
+  token) and the head (6 x 1,600) stay on bf16 peak. meshtron's kernels add fp8's amax and cast
+  passes, 2 x 1,040 bytes a token (tests/test_plan_memory_bound.py)."""
   layout, hw = Layout(), hardware.PROFILES["h100"]
   linear, rest = hardware.flops_split(SMALL, layout, SEQ)
   assert (linear, rest) == (SEQ * 2 * 6 * 2304, SEQ * (2 * 768 + 6 * 1600))
   assert linear + rest == hardware.hardware_flops_per_device(SMALL, layout, SEQ) == \
       SEQ * SMALL.flops_per_token(SEQ)
-  for uniform, efficiency in ((False, hw.gemm_peak_fraction), (True, hw.matmul_efficiency)):
+  for uniform, efficiency, casts in ((False, hw.gemm_peak_fraction, 2 * 1040),
+                                     (True, hw.matmul_efficiency, 0)):
     bf16, fp8 = (hardware.step_time(SMALL, layout, SEQ, trainer_precision(
         "bfloat16", "bfloat16", fp8_layers=on), hw, uniform_matmuls=uniform)
         for on in (False, True))
     assert bf16.compute_s - fp8.compute_s == pytest.approx(
-        linear * (1 / hw.peak_bf16_flops - 1 / hw.peak_fp8_flops) / efficiency)
+        linear * (1 / hw.peak_bf16_flops - 1 / hw.peak_fp8_flops) / efficiency -
+        SEQ * casts / hw.copy_bandwidth)
   assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_s / fp8.step_s)  # both of the bf16 peak
   cfg = llama.debug()
   assert not cfg.precision().fp8_layers

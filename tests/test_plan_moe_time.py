@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from sharding.layout import Layout
-from sharding.plan import hardware
+from sharding.plan import hardware, memory_bound
 from sharding.plan.estimate import ModelSpec, MoESpec, model_spec, trainer_precision
 
 MOE = ModelSpec(vocab_size=100, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -94,7 +94,8 @@ def test_the_grouped_matmul_runs_over_the_exchange_buffers_rows(expert, capacity
   8 experts: worst case (capacity 0, or above it) every assignment of a peer to this device,
   min(2, 8 / n) of a token's 2 copies from each of n peers: n x min(2, 8/n) / 2 = 4 rows per
   routed row on 4 or 8 devices. Without `expert` the rows are the device's own. The routed
-  experts' time grows by that ratio, nothing else does."""
+  experts' time grows by that ratio, their matmuls' and their SwiGLU's memory-bound passes
+  (sharding/plan/memory_bound.py), nothing else does."""
   spec = dataclasses.replace(DROPLESS, moe=dataclasses.replace(DROPLESS.moe,
                                                                exchange_capacity=capacity))
   layout = Layout(expert=expert, micro_batch=expert, microbatches=1)
@@ -104,6 +105,9 @@ def test_the_grouped_matmul_runs_over_the_exchange_buffers_rows(expert, capacity
   linear, _ = hardware.flops_split(spec, layout, SEQ)
   routed = linear * hardware.grouped_share(spec)
   extra = routed * (rows - 1) / (H100.peak_bf16_flops * H100.grouped_matmul_fraction)
+  extra += memory_bound.memory_bound_seconds(spec, layout, SEQ, PRECISION, H100, True, rows) - \
+      memory_bound.memory_bound_seconds(spec, layout, SEQ, PRECISION, H100, True, 1.0)
+  assert (rows > 1) == (extra > 0)
   assert padded.compute_s - exact.compute_s == pytest.approx(extra)
   assert padded.comm_s == exact.comm_s
 

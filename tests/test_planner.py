@@ -263,8 +263,9 @@ def test_memory_json_has_the_interface_fields(tmp_path):
   assert proc.returncode == 0, proc.stderr
   out = json.loads(proc.stdout)
   for key in ("params_gb", "grads_gb", "optimizer_gb", "activations_gb", "total_gb", "fits",
-              "step_time_s", "tokens_per_s_per_gpu", "mfu"):
+              "step_time_s", "memory_bound_s", "tokens_per_s_per_gpu", "mfu"):
     assert key in out
+  assert 0 < out["memory_bound_s"] < out["step_time_s"]
   assert out["params_gb"] == pytest.approx(2 * 8.03 / 2, rel=0.01)  # bf16, halved by tp=2
   assert os.path.getsize(tmp_path / "m.png") > 10_000
 

@@ -4,6 +4,7 @@ Pure Python (no JAX): the playbook's arithmetic, instant for any model size; sou
 where used; GB means 1e9 bytes. Time and hardware: sharding/plan/hardware.py."""
 
 import dataclasses
+import math
 from typing import Any
 
 from sharding.pipeline import schedules
@@ -288,10 +289,13 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
 
 def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
   """(param, grad, optimizer) shard counts: fsdp x the ZeRO group from ZeRO 3/2/1, data x context
-  x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits)."""
+  x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits). ZeRO-2's
+  gradients stay whole over the sequence axes a pipeline stage is manual over (each device keeps
+  its sums of its parts of the sequences: Layout.stage_sequence_axes, trainer/pipeline_step.py)."""
   f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context * (
       1 if experts else layout.expert)
-  return f * (d if z >= 3 else 1), f * (d if z >= 2 else 1), f * (d if z >= 1 else 1)
+  whole = math.prod(layout.sizes()[a] for a in layout.stage_sequence_axes)
+  return f * (d if z >= 3 else 1), f * (d // whole if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
 def state_bytes(shardable: float, replicated: float, layout: Layout, precision: Precision,

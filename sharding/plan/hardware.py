@@ -7,7 +7,7 @@ import math
 from sharding.pipeline import schedules
 from sharding.layout import Layout, experts_over_tensor
 from sharding.mesh import AXES
-from sharding.plan import context_parallel
+from sharding.plan import context_parallel, memory_bound
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
@@ -294,7 +294,7 @@ def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, lin
   of their peak (`linear_peak` for the layers' `linear` FLOPs), flash kernels at
   flash_triton_fraction of the bf16 peak (without flash, the scores' dots as GEMMs), the dropless
   experts' grouped matmul at grouped_matmul_fraction over the exchange buffer's rows. Memory-
-  bound kernels are not priced."""
+  bound kernels are priced apart (memory_bound.py)."""
   flash = model_spec(model).flash_attention
   _, head = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(0.0, 0.0))
   _, scores = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(
@@ -315,6 +315,7 @@ class StepTime:
   comm_s: dict  # per phase, before overlap
   tokens_per_s_per_gpu: float
   mfu: float
+  memory_bound_s: float = 0.0  # of compute_s: elementwise kernels (memory_bound.py)
 
 
 def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
@@ -339,6 +340,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
   linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
+  memory_s = 0.0
   if uniform_matmuls:
     routed = linear * grouped_share(m)
     # The routed experts' grouped matmul over the exchange buffer's rows, slower than the
@@ -347,7 +349,10 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
         m, lay) / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
         hw.matmul_efficiency
   else:
-    compute = matmul_seconds(m, lay, seq_len, hw, linear, linear_peak, stages_recompute)
+    memory_s = memory_bound.memory_bound_seconds(m, lay, seq_len, precision, hw,
+                                                 stages_recompute,
+                                                 grouped_rows_ratio(m, lay) if m.moe else 1.0)
+    compute = matmul_seconds(m, lay, seq_len, hw, linear, linear_peak, stages_recompute) + memory_s
   compute += passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
@@ -390,7 +395,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   tokens = lay.global_batch * seq_len
   model_flops = m.flops_per_token(seq_len) * tokens / lay.num_devices
   return StepTime(total, compute, bubble, exposed, comm, tokens / total / lay.num_devices,
-                  model_flops / (total * peak))
+                  model_flops / (total * peak), memory_s)
 
 
 def gpu_summary(hw: HardwareProfile) -> str:

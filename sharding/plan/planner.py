@@ -74,6 +74,7 @@ class Candidate:
             "optimizer_gb": m.optimizer / GB, "activations_gb": m.activations / GB,
             "logits_gb": m.logits / GB, "temporaries_gb": m.temporaries / GB,
             "total_gb": m.total / GB, "fits": self.fits, "step_time_s": self.time.step_s,
+            "memory_bound_s": self.time.memory_bound_s,
             "tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu, "mfu": self.time.mfu}
 
 

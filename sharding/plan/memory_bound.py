@@ -1,0 +1,77 @@
+"""The memory-bound kernels of a step, priced analytically: the bytes the layers' elementwise
+operations read and write, at the compiled-program model's copy bandwidth (profiles.py,
+`copy_bandwidth`: a device-to-device copy measured on this workplace's H100).
+
+What `plan` had left out of meshtron's kernels (hardware.matmul_seconds prices only matmuls).
+Each operation is counted as the model's code writes it, its inputs read once and its outputs
+written once (a = the activations' bytes, D the hidden width, per token and layer):
+
+  operation                      forward                      backward
+  RMSNorm (2 a layer)            read x, write y: 2aD each    read x, dy, write dx: 3aD each
+  residual add (2 a layer)       read 2, write 1: 3aD each    the two paths' sum: 3aD each
+  RoPE on q and k                read, write: 2a(q + k)       the same
+  SwiGLU (F the MLP width)       read gate, up, write: 3aF    read gate, up, dh, write 2: 5aF
+  routed copies (k a token)      4 gathers of a row: 8aD      the same
+  combining a token's k rows     read k, write 1: (k + 1)aD   read 1, write k, read k: (2k+1)aD
+  fp8 (tensorwise) per element   amax read, cast read, write 1 byte: 2a + 1, of each layer
+                                 GEMM's input forward and of its output's gradient backward
+  cross-entropy over V logits    read aV                      read, write: 2aV
+
+The recomputed forwards (selective and full remat, the pipeline executor's) run the forward's
+operations again. The routed experts' SwiGLU runs over the exchange buffer's rows
+(hardware.grouped_rows_ratio), as their grouped matmul does. D-wide operations split over
+`tensor` only under sequence parallelism (else each tensor rank runs them on every token); the
+rest split over `tensor` always. Not counted: the layer scan's copies into stacked residuals and
+the gradient accumulation's adds (program overheads the issue asks the programs to drop, not costs
+of the model), the router's softmax over experts (E values a token, against the rows' D), the
+multi-token prediction modules, and launches (hardware.step_time's layer_overhead_s)."""
+
+from sharding.layout import Layout
+from sharding.plan.estimate import Precision, model_spec, stage_layers
+
+
+def layer_bytes(model, layout: Layout, precision: Precision,
+                rows_ratio: float = 1.0) -> tuple[float, float]:
+  """(forward, backward) bytes a layer moves per token, mean over dense and MoE layers, counted
+  at the full width as flops_split counts FLOPs (its `share` of tokens divides by `tensor`);
+  D-wide work without sequence parallelism, which every tensor rank repeats, counts `tensor`
+  times. `rows_ratio`: hardware.grouped_rows_ratio, the expert buffer's rows per routed row."""
+  m, lay, a = model_spec(model), layout, precision.act_bytes
+  d, q = m.embed_dim, m.num_heads * m.head_dim
+  k_width, v_width = m.num_kv_heads * m.head_dim, m.num_kv_heads * m.v_head_dim()
+  o_in = m.num_heads * m.v_head_dim()
+  moe, moe_layers = m.moe, (m.moe_share() if m.moe else 0.0)
+  dense = m.mlp_dim * (1 - moe_layers) + (
+      moe.shared_experts * moe.expert_mlp_dim * moe_layers if moe else 0.0)
+  copies = moe.experts_per_token * moe_layers if moe else 0.0  # routed rows a token, mean
+  rows = copies * rows_ratio
+  expert = moe.expert_mlp_dim if moe else 0
+  wide = 1 if lay.sequence_parallel else lay.tensor  # D-wide work per device, in tensor shards
+  cast = 2 * a + 1 if precision.fp8_layers else 0
+  forward = (wide * (10 * a * d + 8 * a * d * copies + (copies + moe_layers) * a * d) +
+             2 * a * (q + k_width) + 3 * a * dense + 3 * a * expert * rows)
+  backward = (wide * (12 * a * d + 8 * a * d * copies + (2 * copies + moe_layers) * a * d) +
+              2 * a * (q + k_width) + 5 * a * dense + 5 * a * expert * rows)
+  # fp8: the GEMMs' inputs (q/k/v's and the MLP's x, o's and down's inputs; each routed row's
+  # x and down input), and their outputs' gradients backward.
+  forward += cast * (wide * 2 * d + o_in + dense + wide * d * copies + expert * rows)
+  backward += cast * (q + k_width + v_width + wide * 2 * d + 2 * dense +
+                      wide * d * copies + 2 * expert * rows)
+  return forward, backward
+
+
+def memory_bound_seconds(model, layout: Layout, seq_len: int, precision: Precision, hw,
+                         stages_recompute: bool = True, rows_ratio: float = 1.0) -> float:
+  """A step's memory-bound kernels on the most loaded device, at hw.copy_bandwidth: every
+  layer's forward (and its recomputed forwards) and backward, and the head's cross-entropy,
+  over the tokens of all its microbatches (flops_split's share: the head on every stage, on
+  1/stages of the tokens)."""
+  m, lay = model_spec(model), layout
+  tokens = lay.micro_batch * lay.microbatches * seq_len / lay.context
+  share = tokens / (lay.tensor * lay.pipeline)
+  remat = lay.stage_remat(m.num_layers, stages_recompute)
+  forwards = 1 + int(remat != "none") + int(lay.stages_recompute(stages_recompute))
+  forward, backward = layer_bytes(m, lay, precision, rows_ratio)
+  layers = stage_layers(m, lay) * lay.pipeline
+  head = 3 * precision.act_bytes * m.vocab_size
+  return share * (layers * (forwards * forward + backward) + head) / hw.copy_bandwidth

@@ -1,0 +1,76 @@
+"""The planner's memory-bound kernels (sharding/plan/memory_bound.py), counted by hand: each
+elementwise operation of a layer reads its inputs and writes its outputs once, at the
+compiled-program model's copy bandwidth."""
+
+import dataclasses
+
+import pytest
+
+from sharding.layout import Layout
+from sharding.plan import hardware, memory_bound
+from sharding.plan.estimate import PLAYBOOK_MIXED, MoESpec, ModelSpec, trainer_precision
+
+# D 16, q 4 x 4 = 16, k and v 2 x 4 = 8, F 32, V 100; bf16 activations (a = 2).
+SMALL = ModelSpec(vocab_size=100, embed_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=4, mlp_dim=32)
+SEQ = 8
+H100 = hardware.PROFILES["h100"]
+
+
+def test_a_dense_layer_s_bytes_by_hand():
+  """Forward 10aD (2 norms, 2 adds) + 2a(q + k) (RoPE) + 3aF (SwiGLU) = 320 + 96 + 192;
+  backward 12aD + 2a(q + k) + 5aF = 384 + 96 + 320. fp8 adds 2a + 1 = 5 bytes per element of
+  the GEMMs' inputs forward (x twice, o's 16, down's 32: 80) and of their outputs' gradients
+  backward (q, k, v 32, o and down 2 x 16, gate and up 64: 128)."""
+  assert memory_bound.layer_bytes(SMALL, Layout(), PLAYBOOK_MIXED) == (608, 800)
+  fp8 = trainer_precision("bfloat16", "bfloat16", fp8_layers=True)
+  assert memory_bound.layer_bytes(SMALL, Layout(), fp8) == (608 + 400, 800 + 640)
+  # Tensor parallelism without sequence parallelism repeats the D-wide work on every rank (its
+  # token share divides by tensor, so D-wide bytes count tensor times); with it, they split.
+  split = memory_bound.layer_bytes(SMALL, Layout(tensor=2, sequence_parallel=True),
+                                   PLAYBOOK_MIXED)
+  repeated = memory_bound.layer_bytes(SMALL, Layout(tensor=2), PLAYBOOK_MIXED)
+  assert split == (608, 800)
+  assert repeated == (608 + 320, 800 + 384)
+
+
+def test_a_moe_layer_s_bytes_by_hand():
+  """2 of 4 experts of width 8, no dense MLP: forward 10aD + 8aD x 2 copies (four gathers of
+  each routed row) + 3aD (combining 2 rows into 1) + 2a(q + k) + 3a x 8 x 2 buffer rows =
+  320 + 512 + 96 + 96 + 96; backward 12aD + 512 + 5aD (read 1, write 2, read 2) + 96 + 5a x 8 x
+  2 = 384 + 512 + 160 + 96 + 160. Buffers of 2x the rows double the experts' SwiGLU."""
+  moe = dataclasses.replace(SMALL, moe=MoESpec(4, 2, 8, dispatch="dropless"))
+  assert memory_bound.layer_bytes(moe, Layout(), PLAYBOOK_MIXED) == (1120, 1312)
+  assert memory_bound.layer_bytes(moe, Layout(), PLAYBOOK_MIXED, rows_ratio=2.0) == (
+      1120 + 96, 1312 + 160)
+
+
+def test_a_step_s_memory_bound_seconds_by_hand():
+  """Per token: 2 layers x (608 forward + 800 backward) + 3aV = 600 for the cross-entropy;
+  selective remat runs each layer's forward again (+2 x 608); at 3.0 TB/s."""
+  for remat, per_token in (("none", 2 * 1408 + 600), ("selective", 2 * (1408 + 608) + 600),
+                           ("full", 2 * (1408 + 608) + 600)):
+    seconds = memory_bound.memory_bound_seconds(SMALL, Layout(remat=remat), SEQ, PLAYBOOK_MIXED,
+                                                H100)
+    assert seconds == pytest.approx(SEQ * per_token / H100.copy_bandwidth)
+  # Two microbatches of two sequences: 4x the tokens; pipeline=2: each stage runs 1 of the 2
+  # layers on all of them and the head on half, and its executor recomputes the forward.
+  staged = memory_bound.memory_bound_seconds(
+      SMALL, Layout(pipeline=2, micro_batch=2, microbatches=2), SEQ, PLAYBOOK_MIXED, H100)
+  assert staged == pytest.approx(4 * SEQ * (1408 + 608 + 300) / H100.copy_bandwidth)
+
+
+def test_meshtron_s_step_adds_them_and_the_playbook_s_nanotron_runs_do_not():
+  """meshtron's kernels (the default) add the memory-bound seconds to the matmuls'; the
+  playbook's nanotron runs (uniform_matmuls) keep their one fitted efficiency, which covers
+  everything their steps ran."""
+  layout = Layout()
+  mine, uniform = (hardware.step_time(SMALL, layout, SEQ, PLAYBOOK_MIXED, H100,
+                                      uniform_matmuls=u) for u in (False, True))
+  linear, rest = hardware.flops_split(SMALL, layout, SEQ)
+  matmuls = hardware.matmul_seconds(SMALL, layout, SEQ, H100, linear, H100.peak_bf16_flops)
+  launches = 3 * SMALL.num_layers * H100.layer_overhead_s
+  assert mine.compute_s == pytest.approx(matmuls + launches + memory_bound.memory_bound_seconds(
+      SMALL, layout, SEQ, PLAYBOOK_MIXED, H100))
+  assert uniform.compute_s == pytest.approx(
+      (linear + rest) / H100.peak_bf16_flops / H100.matmul_efficiency + launches)
