@@ -294,7 +294,8 @@ def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
   its sums of its parts of the sequences: Layout.stage_sequence_axes, trainer/pipeline_step.py)."""
   f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context * (
       1 if experts else layout.expert)
-  whole = math.prod(layout.sizes()[a] for a in layout.stage_sequence_axes)
+  whole = math.prod(layout.sizes()[a] for a in layout.stage_sequence_axes) if (
+      z >= 2 and layout.pipeline > 1) else 1  # (asked only where it can differ: plan's speed)
   return f * (d if z >= 3 else 1), f * (d // whole if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
