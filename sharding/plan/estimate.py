@@ -289,13 +289,14 @@ def param_counts(model: ModelSpec, layout: Layout) -> ParamCounts:
 
 def shards(layout: Layout, experts: bool = False) -> tuple[int, int, int]:
   """(param, grad, optimizer) shard counts: fsdp x the ZeRO group from ZeRO 3/2/1, data x context
-  x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits). ZeRO-2's
-  gradients stay whole over the sequence axes a pipeline stage is manual over (each device keeps
-  its sums of its parts of the sequences: Layout.stage_sequence_axes, trainer/pipeline_step.py)."""
+  x expert (rules.ZERO_AXES; without `expert` for the routed `experts`, which it splits). From
+  ZeRO-2 on, the gradients stay whole over the sequence axes a pipeline stage is manual over: each
+  device keeps its sums of its parts of the sequences until the schedule ends
+  (Layout.stage_sequence_axes; trainer/pipeline_step.py splits ZeRO-2's over the rest)."""
   f, z, d = layout.fsdp, layout.zero_stage, layout.data * layout.context * (
       1 if experts else layout.expert)
   whole = math.prod(layout.sizes()[a] for a in layout.stage_sequence_axes) if (
-      z >= 2 and layout.pipeline > 1) else 1  # (asked only where it can differ: plan's speed)
+      z >= 2 and layout.pipeline > 1) else 1  # asked only where it matters: plan asks 10^5 times
   return f * (d if z >= 3 else 1), f * (d // whole if z >= 2 else 1), f * (d if z >= 1 else 1)
 
 
