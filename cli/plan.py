@@ -47,7 +47,7 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
   result = planner.plan(spec, gpus, seq, tokens, chosen, hw, formula=activations)
   best = result.ranked[:top_k]
   if not as_json:
-    print(f"{model} ({spec.num_params() / 1e9:.2f}B) on {gpus} x {hardware.gpu_summary(hw)};"
+    print(f"{model} ({spec.num_params() / 1e9:.2f}B) on {gpus} x {hw.summary()};"
           f" seq {seq}, {tokens:,} tokens per step, {chosen.name}")
     print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit,"
           f" {len(result.rejected):,} rejected ({time.perf_counter() - start:.2f} s)")

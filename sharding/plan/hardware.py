@@ -340,7 +340,8 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   linear_peak = hw.peak_fp8_flops if precision.fp8_layers else peak
   linear, rest = flops_split(m, lay, seq_len, stages_recompute)
   passes = 3 * lay.microbatches * lay.virtual_stages * stage_layers(m, lay)
-  memory_s = 0.0
+  memory_s = 0.0 if uniform_matmuls else memory_bound.memory_bound_seconds(
+      m, lay, seq_len, precision, hw, stages_recompute, grouped_rows_ratio(m, lay))
   if uniform_matmuls:
     routed = linear * grouped_share(m)
     # The routed experts' grouped matmul over the exchange buffer's rows, slower than the
@@ -349,9 +350,6 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
         m, lay) / peak * hw.gemm_peak_fraction / hw.grouped_matmul_fraction) / \
         hw.matmul_efficiency
   else:
-    memory_s = memory_bound.memory_bound_seconds(m, lay, seq_len, precision, hw,
-                                                 stages_recompute,
-                                                 grouped_rows_ratio(m, lay) if m.moe else 1.0)
     compute = matmul_seconds(m, lay, seq_len, hw, linear, linear_peak, stages_recompute) + memory_s
   compute += passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
@@ -396,9 +394,3 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   model_flops = m.flops_per_token(seq_len) * tokens / lay.num_devices
   return StepTime(total, compute, bubble, exposed, comm, tokens / total / lay.num_devices,
                   model_flops / (total * peak), memory_s)
-
-
-def gpu_summary(hw: HardwareProfile) -> str:
-  return (f"{hw.name}: {hw.memory_bytes / 1e9:.0f} GB, {hw.peak_bf16_flops / 1e12:.0f} TFLOP/s"
-          f" bf16, NVLink {hw.intra_node_bandwidth / 1e9:.0f} GB/s, network"
-          f" {hw.inter_node_bandwidth / 1e9:.0f} GB/s per GPU, {hw.gpus_per_node} per node")

@@ -46,6 +46,12 @@ class HardwareProfile:
   def overlap_of(self, phase: str) -> float:
     return dict(self.overlap)[phase]
 
+  def summary(self) -> str:
+    """One line of the figures `plan` prints for the GPU."""
+    return (f"{self.name}: {self.memory_bytes / 1e9:.0f} GB, {self.peak_bf16_flops / 1e12:.0f}"
+            f" TFLOP/s bf16, NVLink {self.intra_node_bandwidth / 1e9:.0f} GB/s, network"
+            f" {self.inter_node_bandwidth / 1e9:.0f} GB/s per GPU, {self.gpus_per_node} per node")
+
 
 GIB = 2 ** 30
 # Public spec sheets. H100 SXM5: 989 TFLOP/s bf16 and 1979 fp8 dense, 80 GB HBM3 at 3.35 TB/s,
