@@ -118,3 +118,18 @@ def test_the_model_config_s_exchange_capacity_reaches_the_spec():
   assert model_spec(cfg.model).moe.exchange_capacity == cfg.model.moe.exchange_capacity == 2.0
   cfg.model.moe = dataclasses.replace(cfg.model.moe, exchange_capacity=1.5)
   assert model_spec(cfg.model).moe.exchange_capacity == 1.5
+
+
+@pytest.mark.parametrize("mesh, remat, recompute, per_layer", [
+    (dict(), "none", True, 4), (dict(), "full", True, 6),
+    (dict(pipeline=2), "selective", True, 6), (dict(pipeline=2), "selective", False, 4)])
+def test_a_recomputed_forward_exchanges_its_tokens_again(mesh, remat, recompute, per_layer):
+  """The exchange's all-to-alls per MoE layer and microbatch, by hand: dispatch and combine
+  forward, their transposes backward (4), and again in a forward that remat=full or meshtron's
+  pipeline executor (stages_recompute) runs a second time (6): the DeepSeek-V3 recipe's program
+  runs 8 exchanges in a 2-MoE-layer chunk's forward tick and 16 in its backward tick."""
+  layout = Layout(expert=4, micro_batch=1, microbatches=4, remat=remat, **mesh)
+  exchange = next(c for c in hardware.collectives(MOE, layout, SEQ, PRECISION, recompute)
+                  if c.phase == "expert")
+  layers = MOE.num_layers // mesh.get("pipeline", 1)
+  assert exchange.count == per_layer * 4 * layers

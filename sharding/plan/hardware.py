@@ -71,8 +71,10 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   around the ring 3 times (forward, backward K/V and their gradients), Ulysses' 4 all-to-alls per
   layer forward (q, k, v, output) and 4 backward (+4 recomputing fully), the hybrid both over its
   factors; PP: activations forward and gradients backward per microbatch and virtual stage; EP:
-  4 all-to-alls per MoE layer. `stages_recompute` (meshtron's pipeline executor): the forward
-  each backward recomputes sends its TP/SP and Ulysses collectives again, as full remat's does.
+  4 all-to-alls per MoE layer (+2 recomputing fully). `stages_recompute` (meshtron's pipeline
+  executor): the forward each backward recomputes sends its TP/SP, Ulysses and EP collectives
+  again, as full remat's does (DeepSeek-V3's stages: 8 exchanges a 2-MoE-layer chunk forward,
+  16 backward).
   """
   m, lay, pr = model_spec(model), layout, precision
   ga = lay.microbatches
@@ -168,7 +170,8 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   axes, group, share = exchange_group(m, lay)
   if group > 1:
     routed = act * share * m.moe.experts_per_token * m.moe_share()
-    out.append(Collective(axes, "all-to-all", "expert", routed, 4 * layer_passes, group))
+    out.append(Collective(axes, "all-to-all", "expert", routed, (4 + 2 * again) * layer_passes,
+                          group))
   return out
 
 
