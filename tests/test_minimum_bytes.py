@@ -138,6 +138,20 @@ def test_expert_parallelism_exchanges_the_routed_tokens_and_spares_the_experts_g
   assert got["data"] == pytest.approx(2 * 0.5 * (2 * (256 + 32) + 1_600 + NORMS) * 4)
 
 
+def test_zero2_reduce_scatters_every_microbatch_over_the_expert_replicas_too():
+  # ZeRO splits over data x context x expert (sharding.rules.ZERO_AXES): at expert 2 with 3
+  # microbatches, ZeRO-2 reduce-scatters the shared weights' gradients (the 2,216 above) in each
+  # microbatch, 3 x 1/2 x 2,216 x 4, and gathers their updated parameters once, 1/2 x 2,216 x 2;
+  # the experts' own gradients stay on their devices. ZeRO-1 moves what the all-reduce does.
+  moe = dataclasses.replace(MODEL, moe=MoESpec(num_experts=4, experts_per_token=2,
+                                               expert_mlp_dim=16))
+  shared = 2 * (256 + 32) + 1_600 + NORMS
+  zero2 = minimum_bytes(moe, Layout(expert=2, zero_stage=2, microbatches=3), SEQ, PRECISION)
+  assert zero2["data"] == pytest.approx(0.5 * shared * (3 * 4 + 2))
+  zero1 = minimum_bytes(moe, Layout(expert=2, zero_stage=1, microbatches=3), SEQ, PRECISION)
+  assert zero1["data"] == pytest.approx(2 * 0.5 * shared * 4)
+
+
 def test_experts_over_expert_and_tensor_exchange_each_devices_sequence_part():
   # expert 2 x tensor 2 with sequence parallelism: the experts split over the 4 devices
   # (sharding.layout.experts_over_tensor) and each device sends its own 8 of the 16 tokens: 4 x

@@ -22,7 +22,8 @@ one (a middle pipeline stage, the stage holding the most layers). Per axis:
             experts' own weights, which it splits), once per step, in the gradient dtype (the
             reduction runs after the microbatches are summed): an all-reduce, or under ZeRO-1
             a reduce-scatter of the gradients and an all-gather of the updated parameters
-            (ZeRO-2: the gradients reduce-scattered every microbatch).
+            (ZeRO-2: the gradients reduce-scattered every microbatch, over data, context and
+            expert, as ZeRO splits them).
   tensor    Megatron tensor parallelism: per microbatch and layer, the attention and MLP outputs
             all-reduced forward and their input gradients backward (4 all-reduces of the [tokens,
             D] activations; under sequence parallelism an all-gather and a reduce-scatter each,
@@ -78,11 +79,18 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
   shard = counts.shardable / fsdp_group + counts.replicated
   experts = layers * m.expert_params() / (lay.tensor * lay.expert) / fsdp_group
   data = lay.data if lay.zero_stage < 3 else 1
-  if lay.zero_stage in (1, 2) and data > 1:
+  if lay.zero_stage == 2:
+    # ZeRO-2 splits the gradients over data x context x expert (sharding.rules.ZERO_AXES; the
+    # experts' own over data x context): every microbatch's are reduce-scattered over all of
+    # them, the updated parameters gathered once.
+    for group, part in ((data * lay.context * lay.expert, shard - experts),
+                        (data * lay.context, experts)):
+      out["data"] += _ring(group) * part * (ga * pr.grad_bytes + pr.param_bytes)
+    shard = experts = 0.0
+  if lay.zero_stage == 1 and data > 1:
     # Reduce-scattered over data first: what remains to reduce over context and expert is the
     # 1/data part each device owns.
-    grads = (ga if lay.zero_stage == 2 else 1) * _ring(data) * shard * pr.grad_bytes
-    out["data"] += grads + _ring(data) * shard * pr.param_bytes
+    out["data"] += _ring(data) * shard * (pr.grad_bytes + pr.param_bytes)
     shard, experts, data = shard / data, experts / data, 1
   out["data"] += 2 * _ring(data * lay.context * lay.expert) * (shard - experts) * pr.grad_bytes
   out["data"] += 2 * _ring(data * lay.context) * experts * pr.grad_bytes
