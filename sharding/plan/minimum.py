@@ -86,14 +86,14 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
     for group, part in ((data * lay.context * lay.expert, shard - experts),
                         (data * lay.context, experts)):
       out["data"] += _ring(group) * part * (ga * pr.grad_bytes + pr.param_bytes)
-    shard = experts = 0.0
-  if lay.zero_stage == 1 and data > 1:
-    # Reduce-scattered over data first: what remains to reduce over context and expert is the
-    # 1/data part each device owns.
-    out["data"] += _ring(data) * shard * (pr.grad_bytes + pr.param_bytes)
-    shard, experts, data = shard / data, experts / data, 1
-  out["data"] += 2 * _ring(data * lay.context * lay.expert) * (shard - experts) * pr.grad_bytes
-  out["data"] += 2 * _ring(data * lay.context) * experts * pr.grad_bytes
+  else:
+    if lay.zero_stage == 1 and data > 1:
+      # Reduce-scattered over data first: what remains to reduce over context and expert is the
+      # 1/data part each device owns.
+      out["data"] += _ring(data) * shard * (pr.grad_bytes + pr.param_bytes)
+      shard, experts, data = shard / data, experts / data, 1
+    out["data"] += 2 * _ring(data * lay.context * lay.expert) * (shard - experts) * pr.grad_bytes
+    out["data"] += 2 * _ring(data * lay.context) * experts * pr.grad_bytes
 
   if lay.tensor > 1:
     out["tensor"] = ga * ((4 + 2 * full) * layers + 2) * 2 * _ring(lay.tensor) * act
