@@ -10,9 +10,9 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 from models.compute import ROTATED
 from models.config import ModelConfig
-from models.layers import GATHERED, Einsum, RMSNorm, project_shared, projection_kw
+from models.layers import Einsum, RMSNorm, project_shared, projection_kw
 from models.rope import apply_rope, inverse_frequencies
-from sharding import constrain, constrain_cotangent, context_attention, shard_map_logical
+from sharding import constrain, context_attention, shard_map_logical
 
 Q_NAMES = ("batch", "seq", "act_heads", "head_dim")
 KV_NAMES = ("batch", "seq", "act_kv_heads", "head_dim")
@@ -109,8 +109,8 @@ class Attention(nnx.Module):
     else:
       out = kernels.attention(q, k, v, segment_ids_BL, causal=True, impl=impl, window=window)
     out = constrain(out, Q_NAMES)
-    # Its gradient gathered once for both of o's backward dots (models/layers.py GATHERED).
-    return constrain_cotangent(self.o("BLHd,HdD->BLD", out), GATHERED)
+    # Its gradient gathered once for both of o's backward dots (Einsum's gather_gradient).
+    return self.o("BLHd,HdD->BLD", out, gather_gradient=True)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL,
                window=None, input_amax=None) -> jax.Array:

@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 from models.compute import PROJECTION
 from models.fp8 import delayed as fp8_ops
 from models.fp8.current import Gemm, quantized_einsum, sequence_scale, shared_input_einsums
-from sharding import constrain, embedding_lookup, logical_sum_reduce_scatter
+from sharding import (constrain, constrain_cotangent, embedding_lookup,
+                      logical_sum_reduce_scatter)
 
 # The residual stream [B, L, D]: sequence-sharded between tensor-parallel regions under sequence
 # parallelism (`res_seq`), whole-sequence inside them.
@@ -161,10 +162,17 @@ class Einsum(nnx.Module):
         setattr(self, name, logical_param(jnp.zeros((fp8.amax_history,), jnp.float32),
                                           (fp8_ops.FP8_HISTORY,)))
 
-  def __call__(self, eqn: str, x: jax.Array, input_amax=None) -> jax.Array:
+  def __call__(self, eqn: str, x: jax.Array, input_amax=None,
+               gather_gradient: bool = False) -> jax.Array:
     """`input_amax`: None, or a function of no arguments returning x's amax per sequence
     (RMSNorm.sequence_amax), which tensorwise fp8 then scales x by; other precisions never call
-    it, so it adds nothing to their programs."""
+    it, so it adds nothing to their programs. `gather_gradient`: the output's gradient [B, L, D]
+    is gathered over the sequence (GATHERED) once for both backward dots (a row-parallel
+    projection under sequence parallelism: attention's o, the MLP's down), by tensorwise fp8
+    in e5m2, after its quantization (models/fp8/current.py quantized_einsum), else as it
+    comes."""
+    if gather_gradient and self.fp8_recipe != "tensorwise":
+      return constrain_cotangent(self(eqn, x, input_amax), GATHERED)
     # The step's fp8 copy of w, when the train step quantized it once (models/fp8/weights.py).
     weight = self.w_fp8.get_value() if hasattr(self, "w_fp8") else None
     # fp8 quantizes the compute-dtype copy of w, as the anchors quantize their bf16 weights; dw
@@ -177,8 +185,10 @@ class Einsum(nnx.Module):
       x_amax = input_amax() if input_amax is not None and self.fp8_recipe == "tensorwise" \
           else None
       if self.fp8_group > 1 and eqn.startswith("BL") and "->BL" in eqn:
-        return self._grouped_einsum(eqn, x, w, weight, x_amax)
-      return quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax)
+        return self._grouped_einsum(eqn, x, w, weight, x_amax,
+                                    gather_fp8_groups if gather_gradient else None)
+      return quantized_einsum(self.fp8_recipe, eqn, x, w, weight, x_amax,
+                              gather_fp8_input if gather_gradient else None)
     if eqn.startswith("BL") and "->BL" in eqn and not self.tokens_split:
       # Whole sequences on each device: contract over one token dim [B·L] instead of two. The
       # weight gradient then contracts one dim of row-major operands; with two, XLA:CPU copies
@@ -190,10 +200,11 @@ class Einsum(nnx.Module):
       return y.reshape(*x.shape[:2], *y.shape[1:])
     return self._einsum(eqn, x, w)
 
-  def _grouped_einsum(self, eqn: str, x: jax.Array, w: jax.Array, weight, x_amax) -> jax.Array:
+  def _grouped_einsum(self, eqn: str, x: jax.Array, w: jax.Array, weight, x_amax,
+                      gather_gradient=None) -> jax.Array:
     """Tensorwise fp8 with one scale per `fp8_group` consecutive sequences (sequence_groups)."""
     eqn, x, x_amax = sequence_groups(self.fp8_group, (eqn,), x, x_amax)
-    y = quantized_einsum(self.fp8_recipe, eqn[0], x, w, weight, x_amax)
+    y = quantized_einsum(self.fp8_recipe, eqn[0], x, w, weight, x_amax, gather_gradient)
     return y.reshape(-1, *y.shape[2:])
 
   def _einsum(self, eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -5,9 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import GATHERED, RESIDUAL, Einsum, project_shared, projection_kw
-from sharding import (constrain, constrain_cotangent, logical_all_gather_matmul,
-                      logical_matmul_reduce_scatter)
+from models.layers import RESIDUAL, Einsum, project_shared, projection_kw
+from sharding import logical_all_gather_matmul, logical_matmul_reduce_scatter
 
 HIDDEN = ("batch", "seq", "act_mlp")
 
@@ -35,8 +34,8 @@ class MLP(nnx.Module):
     gate, up = project_shared(self.layout, (self.gate, self.up), ("BLD,DF->BLF", "BLD,DF->BLF"),
                               (HIDDEN, HIDDEN), x_BLD, self.remat != "none", input_amax)
     hidden = jax.nn.silu(gate) * up
-    # Its gradient gathered once for both of down's backward dots (models/layers.py GATHERED).
-    return constrain_cotangent(self.down("BLF,FD->BLD", hidden), GATHERED)
+    # Its gradient gathered once for both of down's backward dots (Einsum's gather_gradient).
+    return self.down("BLF,FD->BLD", hidden, gather_gradient=True)
 
   def _collective(self, x_BLD: jax.Array) -> jax.Array:
     """The same MLP with the sequence-parallel all-gather and reduce-scatter decomposed into

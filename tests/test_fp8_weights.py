@@ -193,7 +193,8 @@ def test_projections_of_one_input_give_the_separate_gemms_numbers(operands, befo
 def test_tensor_parallel_projections_gather_their_fp8_input_once():
   """tensor=4 with sequence parallelism, tensorwise, 2 layers, on 8 CPU devices: one all-gather
   of the fp8 input for q, k and v and one for gate and up per layer, in the forward; the
-  backward's dw GEMMs read the gathered copy. Quantized in each GEMM, XLA gathered each GEMM's
+  backward's dw GEMMs read the gathered copy, and the output gradients of o and down are
+  gathered in e5m2 (in bf16 before the thirty-first session: 2 of the 4 gathers a layer). Quantized in each GEMM, XLA gathered each GEMM's
   fp8 copy for it, forward and backward: 20 gathers (the 70B TP4 PP8 VP5 recipe's fp8 gathers
   went from 2.4 TB to 0.55 TB a step, docs/planning.md).
   The input's gradient is reduced once for q, k and v and once for gate and up (a
@@ -209,9 +210,14 @@ def test_tensor_parallel_projections_gather_their_fp8_input_once():
   rows = harness.BATCH // 2  # per data-parallel replica
   activation = (rows, harness.SEQ, model.embed_dim)
   # XLA:CPU moves fp8 collectives as f16; the bf16 step's own gathers are float32 here.
-  fp8 = [c for c in hlo.collectives(text) if c.kind == "all-gather" and c.shape == activation
-         and c.dtype in ("f8e4m3fn", "f16")]
-  assert sum(c.count * c.arrays for c in fp8) == 2 * model.num_layers, fp8
+  gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather" and c.shape == activation]
+  fp8 = [c for c in gathers if c.dtype in ("f8e4m3fn", "f8e5m2", "f16")]
+  # Per layer: forward, the e4m3 inputs of q, k and v and of gate and up; backward, the e5m2
+  # output gradients of o and down, quantized before their gather (none gathered in bf16).
+  assert sum(c.count * c.arrays for c in fp8) == 4 * model.num_layers, fp8
+  # In bf16 (float32 here) only the 2 outside the layers' loops, once a step each.
+  wide = [c for c in gathers if c not in fp8]
+  assert [(c.count, c.arrays) for c in wide] == [(1, 1), (1, 1)], wide
   # XLA:CPU keeps its own reduce-scatters as an all-reduce of the whole activation.
   shard = (rows, harness.SEQ // 4, model.embed_dim)
   reductions = {kind: sum(c.count * c.arrays for c in hlo.collectives(text) if c.kind == kind

@@ -182,9 +182,9 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   return quantize(w, scale, E4M3), scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 6))
 def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=None,
-                     x_amax=None) -> jax.Array:
+                     x_amax=None, gather_gradient=None) -> jax.Array:
   """einsum(eqn, x, w) in fp8 with current scaling (`recipe` in RECIPES), any two-operand eqn.
 
   x: the activation, in the compute dtype (the result's); w: the weight, in dw's dtype (the
@@ -192,15 +192,20 @@ def quantized_einsum(recipe: str, eqn: str, x: jax.Array, w: jax.Array, weight=N
   Differentiating gives dx and dw from fp8 GEMMs with the e5m2 output gradient. `weight`, for
   tensorwise: quantize_weight(w) computed beforehand (then w only types dw), or None. `x_amax`,
   for tensorwise: x's amax per sequence, computed by x's producer, or None (quantize_operand).
+  `gather_gradient`, for tensorwise: a function applied to the e5m2 output gradient before both
+  GEMMs read it (a sequence-parallel all-gather, models/layers.py), or None. Quantized where it
+  lies, the gradient moves in fp8, and its amax and cast passes read a 1/tensor part; its
+  values are those of the bf16 gradient gathered first (a max and a cast per element).
   """
-  return _forward(recipe, eqn, x, w, weight, x_amax)[0]
+  return _forward(recipe, eqn, x, w, weight, x_amax, gather_gradient)[0]
 
 
-def _forward(recipe, eqn, x, w, weight=None, x_amax=None):
+def _forward(recipe, eqn, x, w, weight=None, x_amax=None, gather_gradient=None):
   gemm = Gemm.parse(eqn)
-  if (weight is not None or x_amax is not None) and recipe != "tensorwise":
-    raise ValueError(f"a weight quantized or an input amax taken beforehand is tensorwise's,"
-                     f" not {recipe!r}'s")
+  if (weight is not None or x_amax is not None or gather_gradient is not None) \
+      and recipe != "tensorwise":
+    raise ValueError(f"a weight quantized, an input amax taken or a gradient gathered in fp8 is"
+                     f" tensorwise's, not {recipe!r}'s")
   qx = quantize_operand(recipe, x, gemm, 0, E4M3, amax=x_amax)
   qw = (quantize_operand(recipe, w, gemm, 1, E4M3, weight=True) if weight is None
         else Quantized(weight[0], gemm.b, weight[1], ""))
@@ -214,12 +219,14 @@ def _forward(recipe, eqn, x, w, weight=None, x_amax=None):
   return keep(scaled_matmul(gemm, qx, qw, x.dtype)), (keep(saved), jnp.zeros((), w.dtype))
 
 
-def _backward(recipe, eqn, residuals, g):
+def _backward(recipe, eqn, gather_gradient, residuals, g):
   saved, w_zero = residuals
   dx_gemm, dw_gemm = map(Gemm.parse, transposed(eqn))
   if recipe == "tensorwise":
     qx, sx, qw, sw = saved
     qg = quantize_operand(recipe, g, dx_gemm, 0, E5M2)  # one scale: the same in both GEMMs
+    if gather_gradient is not None:
+      qg = qg._replace(q=gather_gradient(qg.q))
     dx_ops = qg, Quantized(qw, dx_gemm.b, sw, "")
     dw_ops = Quantized(qx, dw_gemm.a, sx, sequence_scale(dw_gemm.a)), qg
   else:
