@@ -8,7 +8,7 @@ from sharding.plan.estimate import attention_span
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
-GROUPED_MATMULS = ("auto", "ragged_dot", "pallas")
+GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "capacity")
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -60,8 +60,9 @@ class MoEConfig:
   exchange_chunks: int = 1
   # The dropless grouped matmul: "ragged_dot" (XLA's; on GPUs a dense GEMM over a masked copy
   # of the rows per expert, E times the FLOPs), "pallas" (kernels/grouped_matmul.py: each row
-  # tile through its own experts only; Triton on GPUs, interpreted on CPU), "auto": pallas on
-  # GPUs, ragged_dot elsewhere.
+  # tile through its own experts only; Triton on GPUs, interpreted on CPU), "capacity"
+  # (kernels/capacity_matmul.py: batched GEMMs over M / E slots per expert, in rounds until every
+  # row ran), "auto": pallas on GPUs, ragged_dot elsewhere.
   grouped_matmul: str = "auto"
   # The top-k weights renormalized to sum 1 (Mixtral, DeepSeek-V3; Qwen3-MoE's norm_topk_prob);
   # False: the router's own probabilities of the chosen experts.

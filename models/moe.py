@@ -13,6 +13,7 @@ from models.config import ModelConfig
 from models.fp8.grouped import RECIPES as GROUPED_RECIPES, GemmAxes, quantized_grouped
 from models.layers import Einsum, logical_param, projection_kw
 from models.mlp import MLP
+from kernels.capacity_matmul import capacity_grouped, slots_per_group
 from kernels.grouped_matmul import grouped_matmul
 from sharding import Layout, constrain, dropless_experts
 from sharding.context_parallel import whole_sequence_sum
@@ -138,6 +139,7 @@ class Experts(nnx.Module):
     self.dtype = cfg.dtype
     # `moe.grouped_matmul` as the layout resolved it ("auto": the Pallas kernel on GPUs).
     self.grouped_impl = layout.grouped_matmul
+    self.headroom = cfg.moe.exchange_capacity
 
   def weights(self) -> tuple[jax.Array, ...]:
     return tuple(p.w[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
@@ -149,18 +151,28 @@ class Experts(nnx.Module):
     if self.fp8_recipe not in (None, *GROUPED_RECIPES):  # a dropping model run dropless
       raise ValueError(f"compute.fp8.recipe={self.fp8_recipe!r} does not run the experts' grouped"
                        f" GEMMs (dropless dispatch), which take {GROUPED_RECIPES}")
+    slots = self.slots(x_AD.shape[0], gate.shape[0], axes) if impl == "capacity" else 0
     if self.fp8_recipe is None:
-      plain = grouped_matmul if impl == "pallas" else jax.lax.ragged_dot
+      plain = {"pallas": grouped_matmul, "capacity": functools.partial(
+          capacity_grouped, slots=slots)}.get(impl, jax.lax.ragged_dot)
       in_matmul = out_matmul = plain
     else:  # the hidden dim: gate/up's output columns, down's contraction
       every = axes.every
       in_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
-          n=axes.hidden, rows=axes.rows, every=every), True)
+          n=axes.hidden, rows=axes.rows, every=every, slots=slots), True)
       out_matmul = functools.partial(quantized_grouped, self.fp8_recipe, impl, GemmAxes(
-          k=axes.hidden, rows=axes.rows, every=every), False)
+          k=axes.hidden, rows=axes.rows, every=every, slots=slots), False)
     hidden = jax.nn.silu(in_matmul(x_AD, gate, group_sizes))
     hidden = hidden * in_matmul(x_AD, up, group_sizes)
     return out_matmul(hidden, down, group_sizes)
+
+  def slots(self, rows: int, experts: int, axes: ExpertAxes) -> int:
+    """An expert's slots in grouped_matmul=capacity: the buffer's balanced share where an
+    exchange sized the buffer with its headroom; with every expert on the device, the rows'
+    balanced share times that same headroom, `exchange_capacity` (0: all the rows)."""
+    if axes.experts:
+      return slots_per_group(rows, experts)
+    return min(rows, slots_per_group(math.ceil(self.headroom * rows), experts) or rows)
 
   def every_token(self, x_BLD) -> jax.Array:
     """Every expert on every token, [B, L, E, D] (the dense reference)."""

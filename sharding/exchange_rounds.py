@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from kernels.capacity_matmul import OVERFLOW_ROUNDS
 from kernels.residuals import keep
 from sharding.shard_map import varying_over
 
@@ -71,10 +72,8 @@ def _ceil_div(a, b):
   return (a + b - 1) // b
 
 
-# The name scope of the loops that run only the rounds after the first (forward and backward),
-# under keep_first_round: the compiled-program analysis (sharding/xla/hlo.trip_count) counts them
-# 0 times, the predicted case of an exchange whose every device pair is within its capacity.
-OVERFLOW_ROUNDS = "exchange_overflow_rounds"
+# OVERFLOW_ROUNDS names the loops that run only the rounds after the first (forward and
+# backward), under keep_first_round: the predicted case, every device pair within its capacity.
 
 
 def exchange_rows(x_sorted, counts, params, expert_fn, axes, capacity, worst, exchange, sync_axes,

@@ -215,7 +215,11 @@ def _sorted_through_experts(x_TD, ids_Tk, weights_Tk, *, params, expert_fn, num_
   x_sorted = permuted(jnp.broadcast_to(x_TD.reshape(tokens, 1, d), (tokens, k, d)).reshape(
       assignments, d), order, back)
   counts = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
-  params = [_batch_like(p, x_sorted) for p in params]
+  # Typed as varying like the rows here, where the rows' mesh axes are known: else each GEMM
+  # meeting them records a pcast of its own, which the replicas' vmap then applies to weights
+  # its rule (_batch_like) already typed so ("pvary ... must not be present").
+  rows_vary = tuple(sorted(jax.typeof(x_sorted).manual_axis_type.varying))
+  params = [_batch_like(varying_over(p, rows_vary), x_sorted) for p in params]
   if not expert_axes:
     y_sorted = expert_fn(x_sorted, counts, *params)
   else:

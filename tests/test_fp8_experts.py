@@ -43,7 +43,7 @@ from tests.test_parallel import LOSS_RTOL
 from trainer.aot import compile_for_gpus
 
 FMAX = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-IMPLS = ("ragged_dot", "pallas")
+IMPLS = ("ragged_dot", "pallas", "capacity")
 
 
 def np_scale(amax):

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import sharding
+from kernels.capacity_matmul import capacity_grouped
 from kernels.grouped_matmul import GroupedBlocks, grouped_matmul
 from models import ComputeConfig
 from models.moe import MoE
@@ -31,18 +32,24 @@ def rel_error(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# The Pallas kernel (interpreted), and the batched GEMMs over equal slots per group of
+# kernels/capacity_matmul.py (whose later rounds these cases need: tests/test_capacity_matmul.py).
+KERNELS = {"pallas": lambda x, w, sizes: grouped_matmul(x, w, sizes, blocks=SMALL, interpret=True),
+           "capacity": capacity_grouped}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", CASES)
-def test_equals_ragged_dot_forward_and_gradients(case, dtype):
+def test_equals_ragged_dot_forward_and_gradients(case, dtype, kernel):
   rows, k, n, sizes = CASES[case]
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
   w = jnp.asarray(rng.normal(size=(len(sizes), k, n)), dtype)
   dy = jnp.asarray(rng.normal(size=(rows, n)), dtype)
   sizes = jnp.asarray(sizes, jnp.int32)
-  kernel = jax.jit(lambda x, w: jax.vjp(
-      lambda x, w: grouped_matmul(x, w, sizes, blocks=SMALL, interpret=True), x, w))
-  got, pullback = kernel(x, w)
+  got, pullback = jax.jit(lambda x, w: jax.vjp(
+      lambda x, w: KERNELS[kernel](x, w, sizes), x, w))(x, w)
   upcast = [a.astype(jnp.float32) for a in (x, w)]
   want, want_pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), *upcast)
   tolerance = {"float32": 1e-6, "bfloat16": 1e-2}[dtype]
@@ -61,18 +68,20 @@ def test_bad_arguments_are_refused_in_one_line():
     grouped_matmul(x, w, jnp.ones((2,), jnp.int32), blocks=GroupedBlocks(block_m=12))
 
 
-def test_the_moe_runs_the_kernel_under_expert_parallelism():
+@pytest.mark.parametrize("impl", ["pallas", "capacity"])
+def test_the_moe_runs_the_kernel_under_expert_parallelism(impl):
   """expert=4 x fsdp=2 (the padded exchange, experts' hidden dims whole): the MoE with the kernel
-  gives ragged_dot's loss and gradients; the program really holds the kernel."""
+  (or the batched GEMMs of kernels/capacity_matmul.py) gives ragged_dot's loss and gradients;
+  the program really holds the kernel, and no ragged dot."""
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, harness.MODEL.embed_dim)),
                   jnp.float32)
   results = {}
-  for impl in ("ragged_dot", "pallas"):
-    cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=impl))
+  for run in ("ragged_dot", impl):
+    cfg = dataclasses.replace(harness.MODEL, moe=dataclasses.replace(MOE, grouped_matmul=run))
     # Built for the mesh: the dropless region takes its mesh and kernel from the layout.
     layout = sharding.resolve(MeshConfig(data=1, expert=4, fsdp=2), jax.devices(), cfg,
                               batch_size=8, seq_len=16)
-    assert layout.grouped_matmul == impl
+    assert layout.grouped_matmul == run
     graphdef, state = nnx.split(MoE(cfg, ComputeConfig(), layout, rngs=nnx.Rngs(0)))
 
     def loss(state, x, graphdef=graphdef):
@@ -80,9 +89,11 @@ def test_the_moe_runs_the_kernel_under_expert_parallelism():
 
     step = jax.value_and_grad(loss, argnums=(0, 1))
     with layout.scope():
-      assert ("pallas_call" in str(jax.make_jaxpr(step)(state, x))) == (impl == "pallas")
-      results[impl] = jax.jit(step)(state, x)
-  (want_loss, want_grads), (got_loss, got_grads) = results["ragged_dot"], results["pallas"]
+      program = str(jax.make_jaxpr(step)(state, x))
+      assert ("pallas_call" in program) == (run == "pallas")
+      assert ("ragged_dot" in program) == (run == "ragged_dot")
+      results[run] = jax.jit(step)(state, x)
+  (want_loss, want_grads), (got_loss, got_grads) = results["ragged_dot"], results[impl]
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30)

@@ -88,6 +88,18 @@ LAYOUTS = {
         M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25,
                                                  keep_first_round=True, exchange_chunks=2),
         dict(microbatches=2)),
+    # The experts as batched GEMMs over equal slots per expert (model.moe.grouped_matmul=
+    # capacity): a quarter of a pair's share in the exchange's rounds, so an expert's slots
+    # hold a quarter of its rows and later rounds run; under the replicas' vmap, chunks apart.
+    "expert=4,data=2,dropless,ga=2,exchange_chunks=2,keep_first_round,capacity": (
+        M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25,
+                                                 keep_first_round=True, exchange_chunks=2,
+                                                 grouped_matmul="capacity"),
+        dict(microbatches=2)),
+    # Every expert on every device, the tokens over fsdp, under the replicas' vmap (its rule
+    # typed the weights as varying over fsdp, where each GEMM had recorded a cast of its own:
+    # "pvary ... must not be present", the planner's fsdp=16 layout for Qwen3-30B-A3B).
+    "fsdp=8,dropless,ga=2": (M(fsdp=8), MOE, dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
     # Under sequence parallelism the experts split over expert x tensor, each device routing

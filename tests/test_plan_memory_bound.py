@@ -45,6 +45,23 @@ def test_a_moe_layer_s_bytes_by_hand():
       1120 + 96, 1312 + 160)
 
 
+def test_experts_as_batched_gemms_add_their_gathers_by_hand():
+  """moe.grouped_matmul=capacity moves each routed row into its expert's slots and back, per
+  GEMM (D 16, F 8, bf16: b = a = 2): forward x in 2Db, gate and up out 4Fa, h in 2Fb, down out
+  2Da = 64 + 64 + 32 + 64 = 224 a row; backward dy in 2Db, dh out 2Fa, h in again 2Fb, dg and du
+  in 4Fb, dx out twice 4Da, x in again 2Db = 64 + 32 + 32 + 64 + 128 + 64 = 384 a row; 2 rows a
+  token. fp8 experts (b = 1): 176 and 272 a row, beside fp8's casts."""
+  plain = dataclasses.replace(SMALL, moe=MoESpec(4, 2, 8, dispatch="dropless"))
+  batched = dataclasses.replace(plain, moe=dataclasses.replace(plain.moe,
+                                                               grouped_matmul="capacity"))
+  assert memory_bound.layer_bytes(batched, Layout(), PLAYBOOK_MIXED) == (1120 + 2 * 224,
+                                                                       1312 + 2 * 384)
+  fp8 = trainer_precision("bfloat16", "bfloat16", fp8_layers=True)
+  base = memory_bound.layer_bytes(plain, Layout(), fp8)
+  assert memory_bound.layer_bytes(batched, Layout(), fp8) == (base[0] + 2 * 176,
+                                                            base[1] + 2 * 272)
+
+
 def test_a_step_s_memory_bound_seconds_by_hand():
   """Per token: 2 layers x (608 forward + 800 backward) + 3aV = 600 for the cross-entropy;
   selective remat runs each layer's forward again (+2 x 608); at 3.0 TB/s."""

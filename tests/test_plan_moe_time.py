@@ -57,6 +57,29 @@ def test_dropless_experts_run_at_the_grouped_matmul_s_rate():
   assert dropless.compute_s == pytest.approx(dropping.compute_s + extra)
 
 
+
+def test_experts_as_batched_gemms_run_at_the_dense_gemms_rate():
+  """moe.grouped_matmul=capacity (kernels/capacity_matmul.py): the routed experts' matmuls at
+  the dense GEMMs' rate, as the dropping dispatch's, over their slots: with every expert on the
+  device, `exchange_capacity` x the balanced share (models/moe.Experts.slots): at 1, dropping's
+  matmul seconds; at the default 2, the routed FLOPs twice. The memory-bound kernels add the
+  slots' gathers (memory_bound.py)."""
+  layout = Layout(micro_batch=2, microbatches=1)
+  linear, _ = hardware.flops_split(MOE, layout, SEQ)
+  routed, peak = linear * 768 / 1664, H100.peak_bf16_flops
+  dropping = hardware.matmul_seconds(MOE, layout, SEQ, H100, linear, peak)
+  for headroom, extra in ((1.0, 0.0), (2.0, routed / (peak * H100.gemm_peak_fraction))):
+    batched = dataclasses.replace(DROPLESS, moe=dataclasses.replace(
+        DROPLESS.moe, grouped_matmul="capacity", exchange_capacity=headroom))
+    assert hardware.grouped_rows_ratio(batched, layout) == headroom
+    assert hardware.matmul_seconds(batched, layout, SEQ, H100, linear, peak) == pytest.approx(
+        dropping + extra)
+  plain = hardware.step_time(DROPLESS, layout, SEQ, PRECISION, H100)
+  assert hardware.step_time(batched, layout, SEQ, PRECISION, H100).memory_bound_s > \
+      plain.memory_bound_s  # twice the rows, and their gathers
+  assert model_spec(batched).moe.grouped_matmul == "capacity"
+
+
 @pytest.mark.parametrize("expert, per_node", [(16, 8), (64, 8)])
 def test_an_exchange_across_nodes_leaves_through_each_gpu_s_nic(expert, per_node):
   """expert=16 or 64 on 8-GPU nodes: of each exchange's buffer, (n - 8)/n goes to other nodes

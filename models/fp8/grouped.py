@@ -16,7 +16,10 @@ f8 operands (float32 result), the scales applied to its output. What XLA makes o
 fusion), over the same masked copy of the rows per expert as in bf16 (E times the FLOPs); XLA:CPU
 converts the f8 operands to float32 before its dot, which is exact (a product of two f8 values
 fits float32's mantissa), so CPU gives what an f8 GEMM with float32 accumulation gives, up to
-summation order. Neither path widens to bf16.
+summation order. Neither path widens to bf16. "capacity": batched GEMMs of the f8 operands over
+equal slots per expert (kernels/capacity_matmul.py), a Triton GEMM fusion with f8 operands for
+H100; tensorwise scales divided in the output dtype, as the dense fp8 GEMMs divide them
+(models/fp8/delayed.py's scaled_dot), rowwise as ragged_dot's.
 
 The output gradient is e4m3 here, not e5m2 as in the dense projections: Pallas's Triton lowering
 takes no dot of two different f8 types ("a and b must have the same element type"), and both
@@ -40,22 +43,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels.capacity_matmul import capacity_matmul, capacity_weight_grad
 from kernels.grouped_matmul import grouped_matmul_fp8, grouped_weight_grad_fp8, summed_like
 from kernels.residuals import keep
 from models.fp8.delayed import E4M3, quantize, scale_from_amax
 from models.fp8.config import GROUPED_RECIPES
 
 RECIPES = GROUPED_RECIPES  # what models/fp8/config.py lets the dropless experts take
-IMPLS = ("pallas", "ragged_dot")
+IMPLS = ("pallas", "ragged_dot", "capacity")
 GRAD = E4M3  # the output gradient's format (see the module docstring)
 
 
 class GemmAxes(NamedTuple):
-  """Mesh axes (inside the dropless region) over which one grouped GEMM's amaxes are reduced."""
+  """Mesh axes (inside the dropless region) over which one grouped GEMM's amaxes are reduced;
+  and, for impl "capacity", its slots an expert (kernels/capacity_matmul.py; 0: M / G)."""
   k: tuple[str, ...] = ()  # split the forward's contraction K (the down projection's hidden dim)
   n: tuple[str, ...] = ()  # split the output columns N (gate's and up's hidden dim)
   rows: tuple[str, ...] = ()  # hold other rows of the same experts (dW's contraction)
   every: tuple[str, ...] = ()  # all of the above and the experts': a tensor's amax
+  slots: int = 0
 
 
 def _amax(t: jax.Array, axes: tuple[str, ...], axis=None) -> jax.Array:
@@ -105,15 +111,24 @@ def _per_row(scale, groups, num_groups):
   return scale[jnp.minimum(groups, num_groups - 1)]
 
 
-def grouped_gemm(impl: str, x, w, group_sizes, x_scale, w_scale, out_dtype, transposed=False):
+def grouped_gemm(impl: str, x, w, group_sizes, x_scale, w_scale, out_dtype, transposed=False,
+                 slots=0):
   """x [M, K] fp8 (scales [M] or scalar) @ w [G, K, N] fp8 (scales [G, N] or scalar) per group;
   `transposed`: w given as [G, N, K], multiplied transposed (the Pallas kernel reads it as it is
   stored, kernels/grouped_matmul.py says why)."""
   if impl == "pallas":
     return grouped_matmul_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype=out_dtype,
                               transposed=transposed)
-  w = jnp.swapaxes(w, 1, 2) if transposed else w
-  y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+  if impl == "capacity" and x_scale.ndim == 0 and w_scale.ndim == 0:
+    # Tensorwise: divided in out_dtype, as scaled_dot (models/fp8/delayed.py) says why.
+    return capacity_matmul(x, w, group_sizes, slots=slots, transposed=transposed,
+                           preferred_element_type=out_dtype, scale=x_scale * w_scale)
+  if impl == "capacity":
+    y = capacity_matmul(x, w, group_sizes, slots=slots, transposed=transposed,
+                        preferred_element_type=jnp.float32)
+  else:
+    y = lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transposed else w, group_sizes,
+                       preferred_element_type=jnp.float32)
   groups = group_ids(group_sizes, x.shape[0])
   row = x_scale[:, None] if x_scale.ndim else x_scale
   return (y / (row * _per_row(w_scale, groups, w.shape[0]))).astype(out_dtype)
@@ -125,13 +140,18 @@ _WEIGHT_GRAD_DIMS = lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 
-def grouped_weight_gemm(impl: str, x, dy, group_sizes, x_scale, dy_scale, out_dtype):
+def grouped_weight_gemm(impl: str, x, dy, group_sizes, x_scale, dy_scale, out_dtype, slots=0):
   """dW [G, K, N] = per group x_g^T dy_g from fp8 x [M, K] and dy [M, N], scales [G, K] and
   [G, N] (or scalars)."""
   if impl == "pallas":
     return grouped_weight_grad_fp8(x, dy, group_sizes, x_scale, dy_scale, out_dtype=out_dtype)
-  dw = lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD_DIMS,
-                              preferred_element_type=jnp.float32)
+  if impl == "capacity" and x_scale.ndim == 0:
+    return capacity_weight_grad(x, dy, group_sizes, slots=slots,
+                                preferred_element_type=out_dtype, scale=x_scale * dy_scale)
+  dw = capacity_weight_grad(x, dy, group_sizes, slots=slots,
+                            preferred_element_type=jnp.float32) if \
+      impl == "capacity" else lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD_DIMS,
+                                                     preferred_element_type=jnp.float32)
   scale = x_scale[:, :, None] * dy_scale[:, None, :] if x_scale.ndim else x_scale * dy_scale
   return (dw / scale).astype(out_dtype)
 
@@ -154,7 +174,7 @@ def quantized_grouped(recipe: str, impl: str, axes: GemmAxes, input_kept: bool, 
 def _forward(recipe, impl, axes, input_kept, x, w, group_sizes):
   qx, sx = quantize_rows(recipe, x, axes.k, axes.every, E4M3)
   qw, sw = quantize_weight(recipe, w, 1, axes.k, axes.every, E4M3)
-  y = grouped_gemm(impl, qx, qw, group_sizes, sx, sw, x.dtype)
+  y = grouped_gemm(impl, qx, qw, group_sizes, sx, sw, x.dtype, slots=axes.slots)
   # tensorwise: the fp8 operands (1 byte per element), whose one scale serves every GEMM;
   # rowwise: x and w as given, because dx and dW scale them along other dims (fp8_current.py).
   saved = (qx, sx, qw, sw) if recipe == "tensorwise" else (x, w)
@@ -169,18 +189,18 @@ def _backward(recipe, impl, axes, input_kept, residuals, g):
   if recipe == "tensorwise":
     qx, sx, qw, sw = saved
     qg, sg = quantize_rows(recipe, g, (), axes.every, GRAD)
-    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, transposed=True)
-    dw = grouped_weight_gemm(impl, qx, qg, group_sizes, sx, sg, w_zero.dtype)
+    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, True, axes.slots)
+    dw = grouped_weight_gemm(impl, qx, qg, group_sizes, sx, sg, w_zero.dtype, axes.slots)
     x, w = qx, qw
   else:
     x, w = saved
     qg, sg = quantize_rows(recipe, g, axes.n, axes.every, GRAD)
     qw, sw = quantize_weight(recipe, w, 2, axes.n, axes.every, E4M3)
-    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, transposed=True)
+    dx = grouped_gemm(impl, qg, qw, group_sizes, sg, sw, g.dtype, True, axes.slots)
     groups, num_groups = group_ids(group_sizes, x.shape[0]), w.shape[0]
     qx, sx = quantize_group_columns(x, groups, num_groups, axes.rows, E4M3)
     qg, sg = quantize_group_columns(g, groups, num_groups, axes.rows, GRAD)
-    dw = grouped_weight_gemm(impl, qx, qg, group_sizes, sx, sg, w_zero.dtype)
+    dw = grouped_weight_gemm(impl, qx, qg, group_sizes, sx, sg, w_zero.dtype, axes.slots)
   return summed_like(dx, x), summed_like(dw, w), None
 
 

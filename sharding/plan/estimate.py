@@ -31,6 +31,7 @@ class MoESpec:
   dense_layers: int = 0
   dispatch: str = "dropping"  # models.config's; dropless runs our grouped matmul on GPUs
   exchange_capacity: float = 2.0  # models.config's: the exchange's buffer rows, per balanced row
+  grouped_matmul: str = "auto"  # models.config's: "capacity" runs batched GEMMs (hardware.py)
 
 
 def attention_span(seq_len: int, window: int = 0, full_every: int = 0) -> float:
@@ -169,7 +170,7 @@ def model_spec(model, compute=None) -> ModelSpec:
                   getattr(moe, "expert_mlp_dim", None) or model.mlp_dim,
                   getattr(moe, "shared_experts", 0) if shared is None else shared,
                   getattr(moe, "first_dense_layers", 0), getattr(moe, "dispatch", "dropping"),
-                  getattr(moe, "exchange_capacity", 2.0))
+                  getattr(moe, "exchange_capacity", 2.0), getattr(moe, "grouped_matmul", "auto"))
   # Compute settings from `compute` (a ComputeConfig by field names; None: its defaults). "auto"
   # is flash: GPUs are what the estimator plans for (a CPU run passes its resolved impl).
   impl = getattr(compute, "attention_impl", "auto")

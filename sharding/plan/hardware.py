@@ -88,8 +88,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   # experts' weights over data x context: counted with the others, an upper bound).
   zero_group = lay.data * lay.context * lay.expert
   zero_data = lay.zero_stage in (1, 2) and zero_group > 1
-  sync = [(a, n) for a, n in (("data", lay.data), ("context", lay.context),
-                              ("expert", lay.expert))
+  sync = [(a, n) for a, n in (("data", lay.data), ("context", lay.context), ("expert", lay.expert))
           if n > 1 and lay.zero_stage < 3]
   if zero_data:  # reduce-scatter the gradients, all-gather the updated parameters
     axes = tuple(a for a in ("data", "context", "expert") if getattr(lay, a) > 1)
@@ -119,8 +118,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
     local = counts.tables if split else counts.tables - table if by_rows else 0.0
     rest = (gathered + counts.replicated) * pr.param_bytes
     ops = 2 * stage_layers(m, lay) + 1  # each layer forward and backward, the tables once
-    out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, ga * ops,
-                          n_z3))
+    out.append(Collective(axes, "all-gather", "zero3", (2 * layers + rest) / ops, ga * ops, n_z3))
     ops = stage_layers(m, lay) + 1
     out.append(Collective(axes, "reduce-scatter", "zero3",
                           (counts.total - local) * pr.grad_bytes / ops, ga * ops, n_z3))
@@ -262,12 +260,13 @@ def grouped_share(model) -> float:
 def grouped_rows_ratio(model, layout: Layout) -> float:
   """Rows the grouped matmul runs over per routed row: with the experts split over `expert`, the
   exchange's receive buffer, `exchange_capacity` x a device pair's balanced share from each peer
-  (0: the worst case, all of a peer's assignments to this device), as sharding/expert.py sizes
-  it; the compiled-program model prices the kernel over all of its buffer's rows. 1 without."""
+  (0: the worst case), as sharding/expert.py sizes it; the compiled-program model prices the
+  kernel over all its buffer's rows. Without: 1, or batched GEMMs' slots (models/moe.py)."""
   m, lay = model_spec(model), layout
   _, n, _ = exchange_group(m, lay)
   if n <= 1:
-    return 1.0
+    e = m.moe.num_experts if m.moe and m.moe.grouped_matmul == "capacity" else 1
+    return min(e, m.moe.exchange_capacity or e) if e > 1 else 1.0
   k = m.moe.experts_per_token
   worst = n * min(k, m.moe.num_experts // n) / k
   return min(worst, m.moe.exchange_capacity) if m.moe.exchange_capacity else worst
@@ -296,17 +295,19 @@ def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, lin
   (profiles.py; measured or published, none fitted to the planner): GEMMs at gemm_peak_fraction
   of their peak (`linear_peak` for the layers' `linear` FLOPs), flash kernels at
   flash_triton_fraction of the bf16 peak (without flash, the scores' dots as GEMMs), the dropless
-  experts' grouped matmul at grouped_matmul_fraction over the exchange buffer's rows. Memory-
-  bound kernels are priced apart (memory_bound.py)."""
-  flash = model_spec(model).flash_attention
+  experts over the exchange buffer's rows at grouped_matmul_fraction (the Pallas kernel) or as
+  the dense GEMMs (moe.grouped_matmul=capacity). Memory-bound kernels: memory_bound.py."""
+  m = model_spec(model)
   _, head = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(0.0, 0.0))
   _, scores = flops_split(model, layout, seq_len, stages_recompute, attention_weights=(
-      FLASH_MATMULS_PER_COUNTED if flash else 1.0, 1.0))
+      FLASH_MATMULS_PER_COUNTED if m.flash_attention else 1.0, 1.0))
   routed, bf16 = linear * grouped_share(model), hw.peak_bf16_flops
-  scores_rate = hw.flash_triton_fraction if flash else hw.gemm_peak_fraction
+  scores_rate = hw.flash_triton_fraction if m.flash_attention else hw.gemm_peak_fraction
+  grouped_rate = linear_peak * hw.gemm_peak_fraction if m.moe and m.moe.grouped_matmul == \
+      "capacity" else bf16 * hw.grouped_matmul_fraction
   return (((linear - routed) / linear_peak + head / bf16) / hw.gemm_peak_fraction +
           (scores - head) / (bf16 * scores_rate) +
-          routed * grouped_rows_ratio(model, layout) / (bf16 * hw.grouped_matmul_fraction))
+          routed * grouped_rows_ratio(model, layout) / grouped_rate)
 
 
 @dataclasses.dataclass

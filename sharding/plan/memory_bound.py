@@ -15,6 +15,11 @@ written once (a = the activations' bytes, D the hidden width, per token and laye
   combining a token's k rows     read k, write 1: (k + 1)aD   read 1, write k, read k: (2k+1)aD
   fp8 (tensorwise) per element   amax read, cast read, write 1 byte: 2a + 1, of each layer
                                  GEMM's input forward and of its output's gradient backward
+  experts as batched GEMMs       each GEMM's rows into their  dy, dh into slots, dx and dh
+  (moe.grouped_matmul=capacity,  slots, products back to the  back (gate's and up's dx apart),
+  kernels/capacity_matmul.py;    rows: x and h in, gate, up   x and h in again for dW:
+  b the GEMM input's bytes)      and down out: 2Db + 4Fa +    4Db + 2Fa + 6Fb + 4Da
+                                 2Fb + 2Da
   cross-entropy over V logits    read aV                      read, write: 2aV
 
 The recomputed forwards (selective and full remat, the pipeline executor's) run the forward's
@@ -48,10 +53,14 @@ def layer_bytes(model, layout: Layout, precision: Precision,
   expert = moe.expert_mlp_dim if moe else 0
   wide = 1 if lay.sequence_parallel else lay.tensor  # D-wide work per device, in tensor shards
   cast = 2 * a + 1 if precision.fp8_layers else 0
+  b = 1 if precision.fp8_layers else a  # the experts' GEMM inputs
+  slots = (2 * d * b + 4 * expert * a + 2 * expert * b + 2 * d * a,
+           4 * d * b + 2 * expert * a + 6 * expert * b + 4 * d * a) if moe and \
+      moe.grouped_matmul == "capacity" else (0, 0)
   forward = (wide * (10 * a * d + 8 * a * d * copies + (copies + moe_layers) * a * d) +
-             2 * a * (q + k_width) + 3 * a * dense + 3 * a * expert * rows)
+             2 * a * (q + k_width) + 3 * a * dense + 3 * a * expert * rows + slots[0] * rows)
   backward = (wide * (12 * a * d + 8 * a * d * copies + (2 * copies + moe_layers) * a * d) +
-              2 * a * (q + k_width) + 5 * a * dense + 5 * a * expert * rows)
+              2 * a * (q + k_width) + 5 * a * dense + 5 * a * expert * rows + slots[1] * rows)
   # fp8: the GEMMs' inputs (q/k/v's and the MLP's x, o's and down's inputs; each routed row's
   # x and down input), and their outputs' gradients backward.
   forward += cast * (wide * 2 * d + o_in + dense + wide * d * copies + expert * rows)

@@ -5,7 +5,7 @@ import dataclasses
 import math
 import re
 
-from sharding.exchange_rounds import OVERFLOW_ROUNDS
+from kernels.capacity_matmul import OVERFLOW_ROUNDS
 from sharding.xla import replica_groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
@@ -235,8 +235,9 @@ def trip_count(ins: Instr, comps: dict[str, list[Instr]], comp: str) -> int | No
 
 
 def unrun(ins: Instr) -> bool:
-  """A loop of the MoE exchange's rounds after the first (sharding/exchange_rounds.py), which the
-  predicted case, every device pair within its capacity, never enters."""
+  """A loop of rounds after the first, the MoE exchange's (sharding/exchange_rounds.py) or the
+  experts' batched GEMMs' (kernels/capacity_matmul.py), which the predicted case, every device
+  pair within its capacity and every expert within its slots, never enters."""
   return OVERFLOW_ROUNDS in ins.op_name
 
 
