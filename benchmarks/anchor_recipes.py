@@ -79,17 +79,26 @@ APART = (("scan_layers", False),)
 # And each device's tokens exchanged in two chunks apart, so XLA runs one chunk's exchange behind
 # the other's expert matmuls (docs/moe.md; with the backward's weights read as stored, Qwen3 EP16
 # 4,123 -> 4,185, its force-balanced row 5,375 -> 5,587, DeepSeek-V3-like 115.5 -> 118.6).
-MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2))
+# And the experts run as batched GEMMs over equal slots per expert (kernels/capacity_matmul.py),
+# priced as the dense GEMMs, where the Pallas grouped kernel was measured at about a quarter of
+# their rate (Qwen3 EP16 4,230 -> 5,667, its force-balanced row 5,542 -> 6,498).
+MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2),
+                ("grouped_matmul", "capacity"))
 _KEPT = ("; the exchange's first round kept for the backward (keep_first_round: its backward"
          " runs neither the exchange nor the experts again); each device's tokens exchanged in"
          " 2 chunks apart (exchange_chunks=2: one chunk's exchange behind the other's experts)")
+_SLOTS = ("; the experts as batched GEMMs over {} an expert's balanced share of rows each"
+          " (grouped_matmul=capacity: an expert's rows past its slots run in later rounds; {})")
 _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, its real router, exchange buffers 2x a device pair's"
-                   " balanced share (predicted for one round: no pair over 2x its share)" + _KEPT)
+                   " balanced share (predicted for one round: no pair over 2x its share)" + _KEPT
+                   + _SLOTS.format("2x", "predicted for one round: no expert over 2x its"
+                                   " share"))
 _AS_IF_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, exchange buffers of exactly a device pair's balanced"
                    " share (exchange_capacity=1), predicted for one round, which only forced"
-                   " balance guarantees (its real router's excess would run more rounds)" + _KEPT)
+                   " balance guarantees (its real router's excess would run more rounds)" + _KEPT
+                   + _SLOTS.format("exactly", "one round, as forced balance guarantees"))
 
 ANCHORS = (
     Anchor("MaxText Llama-2-70B, FSDP 64", "NVIDIA dgxc-benchmarking, maxtext/README_70b.md"
@@ -236,7 +245,9 @@ ANCHORS = (
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),
            512, 4096, 8, "none", "as the row above",
-           routing="meshtron: dropless, its real router" + _KEPT, master_weights=True,
+           routing="meshtron: dropless, its real router" + _KEPT + _SLOTS.format(
+               "2x", "predicted for one round: no expert over 2x its share"),
+           master_weights=True,
            moe=MOE_EXCHANGE),
 )
 
