@@ -148,10 +148,11 @@ def grouped_weight_gemm(impl: str, x, dy, group_sizes, x_scale, dy_scale, out_dt
   if impl == "capacity" and x_scale.ndim == 0:
     return capacity_weight_grad(x, dy, group_sizes, slots=slots,
                                 preferred_element_type=out_dtype, scale=x_scale * dy_scale)
-  dw = capacity_weight_grad(x, dy, group_sizes, slots=slots,
-                            preferred_element_type=jnp.float32) if \
-      impl == "capacity" else lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD_DIMS,
-                                                     preferred_element_type=jnp.float32)
+  if impl == "capacity":
+    dw = capacity_weight_grad(x, dy, group_sizes, slots=slots, preferred_element_type=jnp.float32)
+  else:
+    dw = lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD_DIMS,
+                                preferred_element_type=jnp.float32)
   scale = x_scale[:, :, None] * dy_scale[:, None, :] if x_scale.ndim else x_scale * dy_scale
   return (dw / scale).astype(out_dtype)
 
