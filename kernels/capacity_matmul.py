@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from kernels.grouped_matmul import summed_like
+from kernels.per_replica import per_replica
+from kernels.residuals import keep
 
 # The name scope of loops that run only rounds after the first, here and in the exchange's
 # (sharding/exchange_rounds.py): the compiled-program analysis (sharding/xla/hlo.trip_count)
@@ -66,12 +68,17 @@ def _back_to_rows(y_GCN, group, position, capacity, r, into):
   return jnp.where(here[:, None], y_GCN.reshape(g * c, n)[slot], into)
 
 
-def _overflow(rounds_needed, body, init):
-  """init after body(r, carry) for 1 <= r < rounds_needed, in a loop named OVERFLOW_ROUNDS."""
-  with jax.named_scope(OVERFLOW_ROUNDS):
-    return jax.lax.while_loop(lambda c: c[0] < rounds_needed,
-                              lambda c: (c[0] + 1, body(c[0], c[1])),
-                              (jnp.ones_like(rounds_needed), init))[1]
+def _overflow(rounds_needed, body, init, *operands):
+  """init after body(r, carry, *operands) for 1 <= r < rounds_needed, in a loop named
+  OVERFLOW_ROUNDS; under gradient accumulation's replica vmap once per replica
+  (kernels/per_replica.py: batched, the data=2 x fsdp candidates of DeepSeek-V3 failed to
+  trace)."""
+  def loop(rounds_needed, init, *operands):
+    with jax.named_scope(OVERFLOW_ROUNDS):
+      return jax.lax.while_loop(lambda c: c[0] < rounds_needed,
+                                lambda c: (c[0] + 1, body(c[0], c[1], *operands)),
+                                (jnp.ones_like(rounds_needed), init))[1]
+  return per_replica(loop)(rounds_needed, init, *operands)
 
 
 def capacity_matmul(x, w, group_sizes, *, slots: int = 0, transposed: bool = False,
@@ -93,12 +100,13 @@ def capacity_matmul(x, w, group_sizes, *, slots: int = 0, transposed: bool = Fal
   # the f8 tiles transposed.
   w = with_layout_constraint(w, Layout(major_to_minor=tuple(range(w.ndim))))
 
-  def run(r, into):
+  def run(r, into, x, w, group_sizes, group, position, scale):
     y = jnp.einsum(eqn, _gathered(x, group_sizes, capacity, r), w, preferred_element_type=dtype)
     y = y if scale is None else y / scale.astype(dtype)
     return _back_to_rows(y, group, position, capacity, r, into)
-  first = run(0, jnp.zeros((m, w.shape[1 if transposed else 2]), dtype))
-  return _overflow(_rounds_needed(group_sizes, capacity), run, first)
+  operands = (x, w, group_sizes, group, position, scale)
+  first = run(0, jnp.zeros((m, w.shape[1 if transposed else 2]), dtype), *operands)
+  return _overflow(_rounds_needed(group_sizes, capacity), run, first, *operands)
 
 
 def capacity_weight_grad(x, dy, group_sizes, *, slots: int = 0, preferred_element_type=None,
@@ -108,22 +116,31 @@ def capacity_weight_grad(x, dy, group_sizes, *, slots: int = 0, preferred_elemen
   dtype = preferred_element_type or x.dtype
   capacity = slots or slots_per_group(x.shape[0], group_sizes.shape[0])
 
-  def run(r, into):
+  def run(r, into, x, dy, group_sizes, scale):
     dw = jnp.einsum("gck,gcn->gkn", _gathered(x, group_sizes, capacity, r),
                     _gathered(dy, group_sizes, capacity, r), preferred_element_type=dtype)
     return into + (dw if scale is None else dw / scale.astype(dtype))
-  first = run(0, jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), dtype))
-  return _overflow(_rounds_needed(group_sizes, capacity), run, first)
+  operands = (x, dy, group_sizes, scale)
+  first = run(0, jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), dtype), *operands)
+  return _overflow(_rounds_needed(group_sizes, capacity), run, first, *operands)
 
 
 def _rounds_needed(group_sizes, capacity):
   return (jnp.max(group_sizes) + capacity - 1) // capacity
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def capacity_grouped(x, w, group_sizes, slots: int = 0):
   """`jax.lax.ragged_dot(x, w, group_sizes)` by capacity rounds of `slots` a group (0: the
-  buffer's balanced share), differentiable in x and w (dx and dW by the same rounds)."""
+  buffer's balanced share), differentiable in x and w (dx and dW by the same rounds). The
+  products are named a kernel's output (kernels/residuals.py), which remat="none" keeps: a
+  custom gradient's output is no dot to a remat policy, so a checkpointed layer ran the forward's
+  batched GEMMs again in its backward, where the Pallas kernel's and the fp8 GEMMs' outputs
+  were kept (tests/test_capacity_matmul.py counts them)."""
+  return keep(_capacity_grouped(x, w, group_sizes, slots))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _capacity_grouped(x, w, group_sizes, slots: int = 0):
   return capacity_matmul(x, w, group_sizes, slots=slots)
 
 
@@ -139,4 +156,4 @@ def _backward(slots, residuals, dy):
   return summed_like(dx, x), summed_like(dw, w), None
 
 
-capacity_grouped.defvjp(_forward, _backward)
+_capacity_grouped.defvjp(_forward, _backward)

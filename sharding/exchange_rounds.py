@@ -9,9 +9,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
 from kernels.capacity_matmul import OVERFLOW_ROUNDS
+from kernels.per_replica import per_replica
 from kernels.residuals import keep
 from sharding.shard_map import varying_over
 
@@ -109,7 +109,7 @@ def _rounds(round_fn, start, done, rounds, x_sorted, counts, *params):
   is the data's, so autodiff cannot reverse it; the backward below runs those rounds again,
   each round's forward recomputed inside its vjp (residuals: the inputs only). The rounds write
   disjoint rows, so `done`'s gradient is the output's."""
-  return _per_replica(functools.partial(_forward_rounds, round_fn, start))(
+  return per_replica(functools.partial(_forward_rounds, round_fn, start))(
       done, rounds, x_sorted, counts, *params)
 
 
@@ -144,23 +144,6 @@ def _backward_rounds(round_fn, start, rounds, x_sorted, counts, g, *params):
   return dx, *dparams
 
 
-def _per_replica(fn):
-  """fn, which under jax.vmap (the data-parallel replicas' of gradient accumulation) runs once
-  per replica in a Python loop instead of batched. Batched, its while loop would take a batched
-  predicate, and JAX 0.10 types the batched loop's carry as varying over the vmapped mesh axis
-  and its closed-over routing counts as not: ops mixing the two fail shard_map's check."""
-  wrapped = custom_vmap(fn)
-
-  @wrapped.def_vmap
-  def rule(axis_size, in_batched, *args):
-    outs = [fn(*(a[i] if batched else a for a, batched in zip(args, in_batched)))
-            for i in range(axis_size)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
-    return stacked, jax.tree.map(lambda _: True, stacked)
-
-  return wrapped
-
-
 def _rounds_forward(round_fn, start, done, rounds, x_sorted, counts, *params):
   y = _rounds(round_fn, start, done, rounds, x_sorted, counts, *params)
   # With the first round apart, the rows and weights are left to the layer's remat policy (a
@@ -173,7 +156,7 @@ def _rounds_forward(round_fn, start, done, rounds, x_sorted, counts, *params):
 
 def _rounds_backward(round_fn, start, residuals, g):
   rounds, counts, x_sorted, params = residuals
-  dx, *dparams = _per_replica(functools.partial(_backward_rounds, round_fn, start))(
+  dx, *dparams = per_replica(functools.partial(_backward_rounds, round_fn, start))(
       rounds, x_sorted, counts, g, *params)
   return (g if start else None, None, dx, None, *dparams)
 

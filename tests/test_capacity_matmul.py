@@ -17,6 +17,7 @@ import sharding
 from configs import moe as moe_configs
 from kernels.capacity_matmul import capacity_grouped, capacity_matmul, slots_per_group
 from models import ComputeConfig
+from models.compute import REMAT_POLICIES
 from models.fp8.config import Fp8Config
 from models.moe import Experts
 from sharding import MeshConfig
@@ -51,6 +52,22 @@ def test_equals_ragged_dot_under_vmap():
   want = jax.value_and_grad(loss(each), (0, 1))(x, w)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert rel_error(a, b) < 1e-6
+
+
+def test_remat_none_keeps_the_products_a_checkpointed_backward_would_recompute():
+  """A layer checkpointed with remat="none" (models/compute.py REMAT_POLICIES) keeps kernel
+  outputs: its backward runs the batched GEMMs for dx and dW only, as without a checkpoint, not
+  the forward's again (a custom gradient's output is no dot to the policy: it is named)."""
+  rows, k, n, sizes = CASES["ragged"]
+  x = jnp.ones((rows, k), jnp.bfloat16)
+  w = jnp.ones((len(sizes), k, n), jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(jnp.sin(capacity_grouped(x, w, jnp.asarray(sizes))))
+  gemms = {}
+  for how, f in (("plain", loss), ("none", jax.checkpoint(loss, policy=REMAT_POLICIES["none"])),
+                 ("full", jax.checkpoint(loss, policy=REMAT_POLICIES["full"]))):
+    gemms[how] = str(jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)).count("dot_general")
+  # The count sees a recomputed forward: full remat's (nothing kept) has more.
+  assert gemms["none"] == gemms["plain"] < gemms["full"], gemms
 
 
 def test_an_expert_s_slots_carry_the_exchange_s_headroom():

@@ -100,6 +100,14 @@ LAYOUTS = {
     # typed the weights as varying over fsdp, where each GEMM had recorded a cast of its own:
     # "pvary ... must not be present", the planner's fsdp=16 layout for Qwen3-30B-A3B).
     "fsdp=8,dropless,ga=2": (M(fsdp=8), MOE, dict(microbatches=2)),
+    # The same over data x fsdp as batched GEMMs, slots a quarter of the balanced share (later
+    # rounds run): batched by the replicas' vmap over `data`, the later rounds' loop took a
+    # batched predicate that shard_map's check refused ("Primitive lt requires varying manual
+    # axes to match", DeepSeek-V3's data=2 x fsdp=128 candidate); each replica runs its own.
+    "data=2,fsdp=4,dropless,ga=2,capacity": (
+        M(data=2, fsdp=4), dataclasses.replace(MOE, exchange_capacity=0.25,
+                                               grouped_matmul="capacity"),
+        dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),
     # Under sequence parallelism the experts split over expert x tensor, each device routing
