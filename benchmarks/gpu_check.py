@@ -45,9 +45,12 @@ from benchmarks.gpu_install import SITE, install
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("smoke", "tests", "kernels", "train", "fp8", "moe")
 # The moe phase's cuts (issue [24]): (model, layers, routed experts), each dropless and dropping;
-# the first also dropless with XLA's ragged_dot in place of the Pallas grouped matmul (MOE_RUNS).
+# the first also dropless with XLA's ragged_dot and with the batched GEMMs over equal slots
+# (moe.grouped_matmul=capacity, what the anchors' MoE rows run) in place of the Pallas grouped
+# matmul (MOE_RUNS).
 MOE_CUTS = (("qwen3_30b_a3b", 4, 0), ("deepseek_v3_like", 4, 32))
-MOE_RUNS = (("dropless", "auto"), ("dropless", "ragged_dot"), ("dropping", "auto"))
+MOE_RUNS = (("dropless", "auto"), ("dropless", "ragged_dot"), ("dropless", "capacity"),
+            ("dropping", "auto"))
 TRITON_OFF = "xla_gpu_enable_triton_gemm=false"
 # The fp8 phase's runs: (fp8 recipe, xla_options); a rehearsal runs the first two.
 FP8_RUNS = (("tensorwise", TRITON_OFF), ("none", ""), ("tensorwise", ""), ("delayed", ""),

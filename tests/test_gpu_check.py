@@ -112,9 +112,10 @@ def test_every_phase_rehearses_on_the_cpu(rehearsal):
       ("tensorwise", "xla_gpu_enable_triton_gemm=false"), ("none", "")]
   assert all(r["status"] == "ok" and r["remat"] == "full" for r in fp8), fp8
   moe = lines(rehearsal, "moe")  # each cut dropless and dropping, named in its line; the first
-  assert [(r["model"], r["dispatch"], r["grouped_matmul"]) for r in moe] == [  # also ragged_dot
+  assert [(r["model"], r["dispatch"], r["grouped_matmul"]) for r in moe] == [  # + 2 kernels
       ("qwen3_30b_a3b_dims", "dropless", "auto"), ("qwen3_30b_a3b_dims", "dropless", "ragged_dot"),
-      ("qwen3_30b_a3b_dims", "dropping", "auto"), ("deepseek_v3_like_dims", "dropless", "auto"),
+      ("qwen3_30b_a3b_dims", "dropless", "capacity"), ("qwen3_30b_a3b_dims", "dropping", "auto"),
+      ("deepseek_v3_like_dims", "dropless", "auto"),
       ("deepseek_v3_like_dims", "dropping", "auto")]
   assert "ragged_dot grouped matmul" in moe[1]["cut"]
   assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and "experts top-" in r["cut"]

@@ -71,10 +71,36 @@ def test_a_step_s_memory_bound_seconds_by_hand():
                                                 H100)
     assert seconds == pytest.approx(SEQ * per_token / H100.copy_bandwidth)
   # Two microbatches of two sequences: 4x the tokens; pipeline=2: each stage runs 1 of the 2
-  # layers on all of them and the head on half, and its executor recomputes the forward.
+  # layers on all of them and the head on half, and its executor recomputes the forward and
+  # adds each microbatch's gradient of its layer's 2,304 weights into their float32 sums.
   staged = memory_bound.memory_bound_seconds(
       SMALL, Layout(pipeline=2, micro_batch=2, microbatches=2), SEQ, PLAYBOOK_MIXED, H100)
-  assert staged == pytest.approx(4 * SEQ * (1408 + 608 + 300) / H100.copy_bandwidth)
+  assert staged == pytest.approx((4 * SEQ * (1408 + 608 + 300) + 2 * 2304 * (2 + 8)) /
+                                 H100.copy_bandwidth)
+
+
+def test_the_pipeline_executor_s_sums_and_weight_copies_by_hand():
+  """A stage's 2,304 weights a layer (q 256, k and v 128 each, o 256, the MLP 1,536). Per
+  microbatch the backward tick adds each weight's bf16 gradient into its float32 sum (2 + 4 + 4
+  bytes); a stage of 2 layers is cut into them by its forward and its backward tick, each
+  copying its weights (read and write, 2 bytes each in bf16, 1 in fp8). ZeRO-2 adds the
+  reduce-scattered part only. Nothing without stages, nor for stages that store activations."""
+  four = dataclasses.replace(SMALL, num_layers=4)
+  bf16 = trainer_precision("bfloat16", "bfloat16", "float32")
+  fp8 = trainer_precision("bfloat16", "bfloat16", "float32", fp8_layers=True)
+  one_layer = Layout(pipeline=4, microbatches=2)
+  two_layers = Layout(pipeline=2, microbatches=2)
+  assert memory_bound.executor_bytes(four, one_layer, bf16) == 2 * 2304 * 10
+  assert memory_bound.executor_bytes(four, two_layers, bf16) == 2 * 4608 * (10 + 2 * 2 * 2)
+  assert memory_bound.executor_bytes(four, two_layers, fp8) == 2 * 4608 * (10 + 2 * 2 * 1)
+  zero2 = Layout(data=2, pipeline=2, microbatches=2, zero_stage=2)
+  assert memory_bound.executor_bytes(four, zero2, bf16) == 2 * 4608 * (10 / 2 + 2 * 2 * 2)
+  assert memory_bound.executor_bytes(four, Layout(microbatches=2), bf16) == 0
+  stored = (memory_bound.memory_bound_seconds(four, two_layers, SEQ, bf16, H100, flag)
+            for flag in (True, False))
+  # Stages that store activations neither add these nor recompute the forward (608 a token).
+  assert next(stored) - next(stored) == pytest.approx(
+      (2 * 4608 * 18 + 2 * SEQ * 2 * 608) / H100.copy_bandwidth)
 
 
 def test_meshtron_s_step_adds_them_and_the_playbook_s_nanotron_runs_do_not():

@@ -11,7 +11,7 @@ from sharding.layout_text import parse
 from sharding.pipeline import schedules
 from sharding.pipeline.schedules import bubble_ratio
 from sharding.plan import hardware, planner
-from sharding.plan.estimate import PLAYBOOK_MIXED
+from sharding.plan.estimate import PLAYBOOK_MIXED, trainer_precision
 from tests.test_estimate import SEQ, SMALL
 
 
@@ -100,10 +100,26 @@ def test_the_executors_recomputed_forward_sends_its_tensor_collectives_again():
   2 more for the forward the executor recomputes in each backward; nanotron's stages store
   their activations (stages_recompute=False) and send 6; 2 more a microbatch for the head."""
   lay = Layout(pipeline=2, tensor=2, sequence_parallel=True, microbatches=4)
-  gathers = {flag: next(c for c in hardware.collectives(SMALL, lay, SEQ, PLAYBOOK_MIXED, flag)
-                        if c.phase == "tensor" and c.kind == "all-gather").count
+  gathers = {flag: sum(c.count for c in hardware.collectives(SMALL, lay, SEQ, PLAYBOOK_MIXED, flag)
+                       if c.phase == "tensor" and c.kind == "all-gather")
              for flag in (True, False)}
   assert gathers == {True: 4 * 1 * (6 + 2) + 2 * 4, False: 4 * 1 * 6 + 2 * 4}
+
+
+def test_tensorwise_fp8_gathers_a_layer_s_inputs_and_output_gradients_in_fp8():
+  """Tensorwise fp8 (Precision.fp8_gathers) gathers each layer input once, quantized (q/k/v's,
+  gate/up's), and o's and down's output gradients in e5m2: 4 gathers a layer pass of 1 byte an
+  element, 2 more for the executor's recomputed forward; the head's 2 a microbatch stay bf16.
+  Rowwise fp8 gathers as bf16 does."""
+  lay = Layout(pipeline=2, tensor=2, sequence_parallel=True, microbatches=4)
+  tokens_d = SEQ * SMALL.embed_dim  # one sequence a microbatch
+  for fp8_gathers, per_layer, width in ((True, 4, 1), (False, 6, 2)):
+    precision = trainer_precision("bfloat16", "bfloat16", fp8_layers=True,
+                                  fp8_gathers=fp8_gathers)
+    gathers = sorted((c.count, c.payload) for c in hardware.collectives(
+        SMALL, lay, SEQ, precision) if c.phase == "tensor" and c.kind == "all-gather")
+    assert gathers == [(2 * 4, 2 * tokens_d), (4 * (per_layer + 2), width * tokens_d)]
+  assert trainer_precision("bfloat16", "bfloat16", fp8_gathers=True).fp8_gathers is False
 
 
 def test_the_last_stage_runs_the_multi_token_prediction_module_on_all_its_tokens():

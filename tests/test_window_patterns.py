@@ -15,7 +15,7 @@ from models import ComputeConfig
 from models.config import ModelConfig
 from models.transformer import Transformer
 from sharding import MeshConfig
-from sharding.plan import hardware
+from sharding.plan import context_parallel
 from sharding.plan.estimate import attention_span, model_spec
 from tests import parallel_harness as harness
 from tests.test_parallel import assert_same_training
@@ -88,9 +88,9 @@ def test_the_estimator_counts_the_windows_work_and_hops():
   pattern = model_spec(dataclasses.replace(PATTERN, sliding_window=window), XLA)
   for context in (2, 4, 8, 16):
     windowed = ring_hops(context, seq // context, window, contiguous=True)
-    assert hardware.ring_hops(mistral, context, seq) == windowed
-    assert hardware.ring_hops(pattern, context, seq) == (windowed + context - 1) / 2
-  assert hardware.ring_hops(mistral, 16, seq) == 4 < 15  # the window really saves hops
+    assert context_parallel.ring_hops(mistral, context, seq) == windowed
+    assert context_parallel.ring_hops(pattern, context, seq) == (windowed + context - 1) / 2
+  assert context_parallel.ring_hops(mistral, 16, seq) == 4 < 15  # the window really saves hops
   full = dataclasses.replace(PATTERN, sliding_window=0, full_attention_every=0)
   assert PATTERN.flops_per_token(seq) < full.flops_per_token(seq)
   assert model_spec(PATTERN, XLA).flops_per_token(seq) == pytest.approx(

@@ -255,7 +255,8 @@ class TrainConfig:
     layers = ("attention", "mlp") + (("experts",) if self.model.moe else ())
     return trainer_precision(self.model.dtype, self.model.param_dtype, self.grad_accum_dtype,
                              self.optim.master_weights,
-                             all(self.compute.fp8.applies_to(t) for t in layers))
+                             all(self.compute.fp8.applies_to(t) for t in layers),
+                             self.compute.fp8.recipe == "tensorwise")
 
   def layout(self, num_devices: int) -> Layout:
     """This run's parallel layout on `num_devices` devices (sharding.layout_of): the checks that

@@ -65,3 +65,15 @@ def errors(model, layout) -> list[str]:
     return [f"query heads per tensor shard {local} not divisible by the Ulysses degree {degree}"
             " (kv heads fewer than it are replicated, query heads cannot be)"]
   return []
+
+
+def ring_hops(m, context: int, seq_len: int) -> float:
+  """K/V blocks the ring passes on per layer, mean over the layers: context - 1, or with a sliding
+  window (contiguous order: kernels.ring_attention.ring_hops) only the blocks the window reaches;
+  with full_attention_every = N, every Nth layer makes every hop."""
+  full = context - 1
+  if not m.sliding_window:
+    return full
+  windowed = min(full, -(-(m.sliding_window - 1) // (seq_len // context)))
+  share = 1 / m.full_attention_every if m.full_attention_every else 0.0
+  return share * full + (1 - share) * windowed

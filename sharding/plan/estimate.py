@@ -196,6 +196,9 @@ class Precision:
   act_bytes: int  # activations (compute dtype)
   accum_only_when_microbatching: bool = False  # the trainer's: a scan carry only while ga > 1
   fp8_layers: bool = False  # the layers' linear GEMMs on fp8 tensor cores (not scores, not head)
+  # Sequence parallelism's gathers in fp8: tensorwise fp8 gathers each layer input once,
+  # quantized, and the output gradients of o and down in e5m2 (models/layers.py project_shared).
+  fp8_gathers: bool = False
 
 
 # The playbook's mixed precision: bf16 params and grads, fp32 master and Adam ("2Psi + 2Psi +
@@ -208,14 +211,15 @@ PLAYBOOK_FP8 = Precision("bf16 mixed + fp8 layer GEMMs", 2, 4, 2, 0, 4, 2, fp8_l
 
 def trainer_precision(dtype: str = "float32", param_dtype: str = "float32",
                       grad_accum_dtype: str = "", master_weights: bool = False,
-                      fp8_layers: bool = False) -> Precision:
+                      fp8_layers: bool = False, fp8_gathers: bool = False) -> Precision:
   """What trainer/ does: params, grads, AdamW moments in `param_dtype` (`master_weights`: fp32
-  moments and master copy), activations in `dtype`, a `grad_accum_dtype` scan carry."""
+  moments and master copy), activations in `dtype`, a `grad_accum_dtype` scan carry;
+  `fp8_gathers`: tensorwise fp8 layers (Precision.fp8_gathers)."""
   p, a = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_accum_dtype or param_dtype]
   m, master = (4, " + fp32 master weights") if master_weights else (0, "")
   fp8 = ", fp8 layer GEMMs" if fp8_layers else ""
   return Precision(f"trainer ({param_dtype} params{master}, {dtype} compute{fp8})", p, m, p, a,
-                   m or p, DTYPE_BYTES[dtype], True, fp8_layers)
+                   m or p, DTYPE_BYTES[dtype], True, fp8_layers, fp8_layers and fp8_gathers)
 
 
 PRECISIONS = {"playbook": PLAYBOOK_MIXED, "playbook_fp32_accum": PLAYBOOK_MIXED_FP32_ACCUM,

@@ -8,6 +8,7 @@ from sharding.pipeline import schedules
 from sharding.layout import Layout, experts_over_tensor
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
+from sharding.plan.context_parallel import ring_hops
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
@@ -47,18 +48,6 @@ class Collective:
     return self.count * per_op
 
 
-def ring_hops(m, context: int, seq_len: int) -> float:
-  """K/V blocks the ring passes on per layer, mean over the layers: context - 1, or with a sliding
-  window (contiguous order: kernels.ring_attention.ring_hops) only the blocks the window reaches;
-  with full_attention_every = N, every Nth layer makes every hop."""
-  full = context - 1
-  if not m.sliding_window:
-    return full
-  windowed = min(full, -(-(m.sliding_window - 1) // (seq_len // context)))
-  share = 1 / m.full_attention_every if m.full_attention_every else 0.0
-  return share * full + (1 - share) * windowed
-
-
 def collectives(model, layout: Layout, seq_len: int, precision: Precision,
                 stages_recompute: bool = True) -> list[Collective]:
   """The communication of one training step on one device (the most loaded stage).
@@ -67,14 +56,14 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   scatter + all-gather of the parameters (ZeRO-2 reduce-scatters every microbatch); ZeRO-3/FSDP:
   all-gather each layer forward and again backward plus embedding/head once (2Psi_layers +
   Psi_rest) and a reduce-scatter, per microbatch; TP: 4 all-reduces of b s h per layer (+2 when
-  recomputing fully); SP: 6 all-gathers + 4 reduce-scatters per layer; CP: K/V blocks passed
-  around the ring 3 times (forward, backward K/V and their gradients), Ulysses' 4 all-to-alls per
-  layer forward (q, k, v, output) and 4 backward (+4 recomputing fully), the hybrid both over its
-  factors; PP: activations forward and gradients backward per microbatch and virtual stage; EP:
-  4 all-to-alls per MoE layer (+2 recomputing fully). `stages_recompute` (meshtron's pipeline
-  executor): the forward each backward recomputes sends its TP/SP, Ulysses and EP collectives
-  again, as full remat's does (DeepSeek-V3's stages: 8 exchanges a 2-MoE-layer chunk forward,
-  16 backward).
+  recomputing fully); SP: 6 all-gathers (4 in fp8: Precision.fp8_gathers) + 4 reduce-scatters per
+  layer; CP: K/V blocks passed around the ring 3 times (forward, backward K/V and their
+  gradients), Ulysses' 4 all-to-alls per layer forward (q, k, v, output) and 4 backward (+4
+  recomputing fully), the hybrid both over its factors; PP: activations forward and gradients
+  backward per microbatch and virtual stage; EP: 4 all-to-alls per MoE layer (+2 recomputing
+  fully). `stages_recompute` (meshtron's pipeline executor): the forward each backward
+  recomputes sends its TP/SP, Ulysses and EP collectives again, as full remat's does
+  (DeepSeek-V3's stages: 8 exchanges a 2-MoE-layer chunk forward, 16 backward).
   """
   m, lay, pr = model_spec(model), layout, precision
   ga = lay.microbatches
@@ -143,9 +132,11 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   remat = lay.stage_remat(m.num_layers, stages_recompute)
   again = int(remat == "full") + int(lay.stages_recompute(stages_recompute))  # forwards rerun
   if lay.tensor > 1:
-    if lay.sequence_parallel:
-      out.append(Collective(("tensor",), "all-gather", "tensor", act,
-                            layer_passes * (6 + 2 * again) + 2 * ga, lay.tensor))
+    if lay.sequence_parallel:  # fp8_gathers: a layer's 4 (2 inputs, 2 output gradients), 1 byte
+      gathers, gathered = (4, act / pr.act_bytes) if pr.fp8_gathers else (6, act)
+      out.append(Collective(("tensor",), "all-gather", "tensor", gathered,
+                            layer_passes * (gathers + 2 * again), lay.tensor))
+      out.append(Collective(("tensor",), "all-gather", "tensor", act, 2 * ga, lay.tensor))
       out.append(Collective(("tensor",), "reduce-scatter", "tensor", act,
                             layer_passes * (4 + 2 * again) + ga, lay.tensor))
     else:

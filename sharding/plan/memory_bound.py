@@ -26,13 +26,25 @@ The recomputed forwards (selective and full remat, the pipeline executor's) run 
 operations again. The routed experts' SwiGLU runs over the exchange buffer's rows
 (hardware.grouped_rows_ratio), as their grouped matmul does. D-wide operations split over
 `tensor` only under sequence parallelism (else each tensor rank runs them on every token); the
-rest split over `tensor` always. Not counted: the layer scan's copies into stacked residuals and
-the gradient accumulation's adds (program overheads the issue asks the programs to drop, not costs
-of the model), the router's softmax over experts (E values a token, against the rows' D), the
-multi-token prediction modules, and launches (hardware.step_time's layer_overhead_s)."""
+rest split over `tensor` always.
+
+meshtron's pipeline executor (sharding/pipeline/executor.py) adds, per microbatch and weight of
+the stage (`executor_bytes`): its backward tick adds the chunk's gradient, in the compute dtype,
+into the float32 sums (read 2 + read and write 4 + 4 bytes; a chunk's slot is picked by the tick,
+so no GEMM can add into it as Megatron's do), and its forward and backward ticks each copy the
+chunk's weights out of the stage's stack (read and write, in the GEMMs' dtype: 1 byte under fp8)
+where a tick picks a chunk (virtual stages) or cuts it into layers. Seen in the compiled
+programs: Llama-3.1-405B TP8 PP8 CP2 VP8, 4.1 s of adds and 1.4 s of fp8 copies a step; a
+DeepSeek-V3-like PP32 stage holding all 256 experts, 5.4 and 7.1 s. Under ZeRO-2 each tick's
+gradient is reduce-scattered first, and only its part is added.
+
+Not counted: the layer scan's copies into stacked residuals and the unpipelined step's gradient
+accumulation (added in place or by the GEMMs: models/accumulating_scan.py, layers apart), the
+router's softmax over experts (E values a token, against the rows' D), the multi-token
+prediction modules, and launches (hardware.step_time's layer_overhead_s)."""
 
 from sharding.layout import Layout
-from sharding.plan.estimate import Precision, model_spec, stage_layers
+from sharding.plan.estimate import Precision, model_spec, param_counts, shards, stage_layers
 
 
 def layer_bytes(model, layout: Layout, precision: Precision,
@@ -83,4 +95,23 @@ def memory_bound_seconds(model, layout: Layout, seq_len: int, precision: Precisi
   forward, backward = layer_bytes(m, lay, precision, rows_ratio)
   layers = stage_layers(m, lay) * lay.pipeline
   head = 3 * precision.act_bytes * m.vocab_size
-  return share * (layers * (forwards * forward + backward) + head) / hw.copy_bandwidth
+  executor = executor_bytes(m, lay, precision) if stages_recompute else 0.0
+  return (share * (layers * (forwards * forward + backward) + head) + executor) / \
+      hw.copy_bandwidth
+
+
+def executor_bytes(model, layout: Layout, precision: Precision) -> float:
+  """Bytes a step's pipeline ticks move over the stage's weights on one device (see the module):
+  per microbatch, each weight's gradient added into its float32 sum, and, where ticks cut
+  chunks from the stack, the weights copied by a forward and a backward tick. 0 unpipelined."""
+  m, lay = model_spec(model), layout
+  if lay.pipeline == 1:
+    return 0.0
+  counts = param_counts(m, lay)
+  summed = ((counts.layers - counts.experts) / shards(lay)[1] +
+            counts.experts / shards(lay, experts=True)[1])
+  added = summed * (precision.act_bytes + 2 * (precision.grad_accum_bytes or 4))
+  weight = 1 if precision.fp8_layers else precision.act_bytes
+  cut = lay.virtual_stages > 1 or stage_layers(m, lay) > lay.virtual_stages
+  copied = counts.layers * 2 * 2 * weight if cut else 0.0
+  return lay.microbatches * (added + copied)
