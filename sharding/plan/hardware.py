@@ -8,7 +8,6 @@ from sharding.pipeline import schedules
 from sharding.layout import Layout, experts_over_tensor
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
-from sharding.plan.context_parallel import ring_hops
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
@@ -147,7 +146,7 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
     kv = tokens * context_parallel.attended_kv_heads(m, lay) * (m.head_dim + m.v_head_dim()) * \
         pr.act_bytes
     out.append(Collective(("context",), "p2p", "context", kv,
-                          3 * ring_hops(m, ring, seq_len) * layer_passes, ring))
+                          3 * context_parallel.ring_hops(m, ring, seq_len) * layer_passes, ring))
   if degree > 1:  # Ulysses: q, k, v and the output forward, their gradients backward
     out.append(Collective(("context",), "all-to-all", "context",
                           context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes) / 4,
