@@ -9,7 +9,7 @@ from typing import Any
 
 from sharding.pipeline import schedules
 from sharding.layout import Layout
-from sharding.plan import context_parallel
+from sharding.plan import context_parallel, expert_rows
 from sharding.plan.activations import (GROUPED_PADDING, ActivationTerms,  # noqa: F401
                                        activation_terms, layer_activation_bytes)
 
@@ -356,6 +356,9 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
   if remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \
         layer_activation_bytes(terms, tokens, seq_len, lay, remat)
+  # Batched experts (moe.grouped_matmul=capacity): a MoE layer's backward's slot buffers.
+  temporaries += expert_rows.slot_bytes(m, lay, tokens, precision.act_bytes,
+                                        precision.fp8_layers)
   if shards(lay)[0] > 1:  # ZeRO-3: the gathered layer and the prefetched next one
     temporaries += 2 * counts.layer_matrices * precision.param_bytes
   return Memory(params, grads, optimizer, activations, logits, temporaries)

@@ -5,9 +5,10 @@ import dataclasses
 import math
 
 from sharding.pipeline import schedules
-from sharding.layout import Layout, experts_over_tensor
+from sharding.layout import Layout
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
+from sharding.plan.expert_rows import exchange_group, grouped_rows_ratio  # noqa: F401
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
@@ -163,18 +164,6 @@ def collectives(model, layout: Layout, seq_len: int, precision: Precision,
   return out
 
 
-def exchange_group(model, layout: Layout) -> tuple[tuple[str, ...], int, float]:
-  """(mesh axes, devices, share of a microbatch's tokens on a device that it routes) of the
-  MoE's token exchange: over `expert`, and over `tensor` too where the experts span it
-  (sharding.layout.experts_over_tensor), each device then routing its own sequence part."""
-  m, lay = model_spec(model), layout
-  if not m.moe:
-    return (), 1, 1.0
-  folded = experts_over_tensor(lay, m.moe.num_experts, m.moe.dispatch)
-  axes = ("expert", "tensor") if folded else ("expert",)
-  return axes, math.prod(getattr(lay, a) for a in axes), 1 / lay.tensor if folded else 1.0
-
-
 # ---- how long a step takes ----
 
 
@@ -247,21 +236,6 @@ def grouped_share(model) -> float:
   return m.num_layers * m.expert_params(per_token=True) / per_layer
 
 
-def grouped_rows_ratio(model, layout: Layout) -> float:
-  """Rows the grouped matmul runs over per routed row: with the experts split over `expert`, the
-  exchange's receive buffer, `exchange_capacity` x a device pair's balanced share from each peer
-  (0: the worst case), as sharding/expert.py sizes it; the compiled-program model prices the
-  kernel over all its buffer's rows. Without: 1, or batched GEMMs' slots (models/moe.py)."""
-  m, lay = model_spec(model), layout
-  _, n, _ = exchange_group(m, lay)
-  if n <= 1:
-    e = m.moe.num_experts if m.moe and m.moe.grouped_matmul == "capacity" else 1
-    return min(e, m.moe.exchange_capacity or e) if e > 1 else 1.0
-  k = m.moe.experts_per_token
-  worst = n * min(k, m.moe.num_experts // n) / k
-  return min(worst, m.moe.exchange_capacity) if m.moe.exchange_capacity else worst
-
-
 def placement(layout: Layout, gpus_per_node: int, order: tuple = AXES) -> dict[str, int]:
   """{axis: how many of its group's members share a node}: inner axes fill a node first, so an
   axis inside a node has all its members there (the group size) and one that spans nodes the
@@ -297,7 +271,7 @@ def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, lin
       "capacity" else bf16 * hw.grouped_matmul_fraction
   return (((linear - routed) / linear_peak + head / bf16) / hw.gemm_peak_fraction +
           (scores - head) / (bf16 * scores_rate) +
-          routed * grouped_rows_ratio(model, layout) / grouped_rate)
+          routed * grouped_rows_ratio(m, layout) / grouped_rate)
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ from sharding.layout import Layout
 from sharding.plan import context_parallel
 from sharding.plan.estimate import Precision, model_spec, param_counts, stage_layers
 from sharding.plan.context_parallel import ring_hops
-from sharding.plan.hardware import exchange_group
+from sharding.plan.expert_rows import exchange_group
 
 AXES = ("fsdp", "data", "tensor", "context", "expert", "pipeline")
 

@@ -1,0 +1,64 @@
+"""The rows a dropless MoE layer's experts run over, and the buffers the batched experts hold for
+them: what the time model (hardware.py, memory_bound.py) and the memory estimate (estimate.py)
+both read. Functions of an estimate.ModelSpec (this module imports no estimate, which imports it).
+"""
+
+import math
+
+from sharding.layout import Layout, experts_over_tensor
+
+
+def exchange_group(m, layout: Layout) -> tuple[tuple[str, ...], int, float]:
+  """(mesh axes, devices, share of a microbatch's tokens on a device that it routes) of the
+  MoE's token exchange: over `expert`, and over `tensor` too where the experts span it
+  (sharding.layout.experts_over_tensor), each device then routing its own sequence part."""
+  lay = layout
+  if not m.moe:
+    return (), 1, 1.0
+  folded = experts_over_tensor(lay, m.moe.num_experts, m.moe.dispatch)
+  axes = ("expert", "tensor") if folded else ("expert",)
+  return axes, math.prod(getattr(lay, a) for a in axes), 1 / lay.tensor if folded else 1.0
+
+
+def grouped_rows_ratio(m, layout: Layout) -> float:
+  """Rows the grouped matmul runs over per routed row: with the experts split over `expert`, the
+  exchange's receive buffer, `exchange_capacity` x a device pair's balanced share from each peer
+  (0: the worst case), as sharding/expert.py sizes it; the compiled-program model prices the
+  kernel over all its buffer's rows. Without: 1, or batched GEMMs' slots (models/moe.py)."""
+  lay = layout
+  _, n, _ = exchange_group(m, lay)
+  if n <= 1:
+    e = m.moe.num_experts if m.moe and m.moe.grouped_matmul == "capacity" else 1
+    return min(e, m.moe.exchange_capacity or e) if e > 1 else 1.0
+  k = m.moe.experts_per_token
+  worst = n * min(k, m.moe.num_experts // n) / k
+  return min(worst, m.moe.exchange_capacity) if m.moe.exchange_capacity else worst
+
+
+# The slot buffers the batched experts' backward holds at its peak, per slot row, in hidden-width
+# (D) and expert-width (F) rows: read from meshtron's compiled H100 programs
+# (tests/test_estimate_slots.py), not derived: gate's and up's dx products, the gathered input
+# and output gradient, and a recomputed one, D wide; three F wide.
+SLOT_ROWS_D, SLOT_ROWS_F = 5, 3
+# Of the D-wide ones, the gathered GEMM inputs (x, and dy for the dW) are in the GEMMs' dtype.
+SLOT_INPUTS_D = 2
+
+
+def slot_bytes(m, layout: Layout, tokens: float, act_bytes: int, fp8: bool) -> float:
+  """Bytes of the slot buffers one MoE layer's backward holds at once under
+  moe.grouped_matmul=capacity (kernels/capacity_matmul.py): [experts, slots, width] gathers of
+  the rows, grouped_rows_ratio x the routed rows (`exchange_capacity` x them where every expert
+  is on the device; the exchange's buffer where one sized it). `tokens`: a device's microbatch
+  tokens; the experts' width split over `tensor` unless the experts span it. 0 otherwise: the
+  grouped kernel reads the rows in place."""
+  moe = m.moe
+  if not moe or moe.dispatch != "dropless" or moe.grouped_matmul != "capacity" or \
+      m.moe_share() == 0:
+    return 0.0
+  _, _, share = exchange_group(m, layout)
+  rows = grouped_rows_ratio(m, layout) * tokens * share * moe.experts_per_token
+  width = moe.expert_mlp_dim / (1 if share < 1 else layout.tensor)
+  inputs = 1 if fp8 else act_bytes
+  per_row = m.embed_dim * (SLOT_INPUTS_D * inputs + (SLOT_ROWS_D - SLOT_INPUTS_D) * act_bytes) \
+      + SLOT_ROWS_F * width * act_bytes
+  return rows * per_row
