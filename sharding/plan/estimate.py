@@ -236,7 +236,8 @@ class Memory:
   optimizer: float  # Adam moments + fp32 master weights
   activations: float
   logits: float  # logits, their fp32 copy and gradient (loss buffers)
-  temporaries: float  # gathered ZeRO-3 layers, one recomputed layer, workspace allowance
+  temporaries: float  # gathered ZeRO-3 layers, one recomputed layer, batched experts' slots,
+  # workspace allowance
 
   @property
   def state(self) -> float:

@@ -12,12 +12,11 @@ def exchange_group(m, layout: Layout) -> tuple[tuple[str, ...], int, float]:
   """(mesh axes, devices, share of a microbatch's tokens on a device that it routes) of the
   MoE's token exchange: over `expert`, and over `tensor` too where the experts span it
   (sharding.layout.experts_over_tensor), each device then routing its own sequence part."""
-  lay = layout
   if not m.moe:
     return (), 1, 1.0
-  folded = experts_over_tensor(lay, m.moe.num_experts, m.moe.dispatch)
+  folded = experts_over_tensor(layout, m.moe.num_experts, m.moe.dispatch)
   axes = ("expert", "tensor") if folded else ("expert",)
-  return axes, math.prod(getattr(lay, a) for a in axes), 1 / lay.tensor if folded else 1.0
+  return axes, math.prod(getattr(layout, a) for a in axes), 1 / layout.tensor if folded else 1.0
 
 
 def grouped_rows_ratio(m, layout: Layout) -> float:
@@ -25,8 +24,7 @@ def grouped_rows_ratio(m, layout: Layout) -> float:
   exchange's receive buffer, `exchange_capacity` x a device pair's balanced share from each peer
   (0: the worst case), as sharding/expert.py sizes it; the compiled-program model prices the
   kernel over all its buffer's rows. Without: 1, or batched GEMMs' slots (models/moe.py)."""
-  lay = layout
-  _, n, _ = exchange_group(m, lay)
+  _, n, _ = exchange_group(m, layout)
   if n <= 1:
     e = m.moe.num_experts if m.moe and m.moe.grouped_matmul == "capacity" else 1
     return min(e, m.moe.exchange_capacity or e) if e > 1 else 1.0
@@ -36,12 +34,11 @@ def grouped_rows_ratio(m, layout: Layout) -> float:
 
 
 # The slot buffers the batched experts' backward holds at its peak, per slot row, in hidden-width
-# (D) and expert-width (F) rows: read from meshtron's compiled H100 programs
-# (tests/test_estimate_slots.py), not derived: gate's and up's dx products, the gathered input
-# and output gradient, and a recomputed one, D wide; three F wide.
-SLOT_ROWS_D, SLOT_ROWS_F = 5, 3
-# Of the D-wide ones, the gathered GEMM inputs (x, and dy for the dW) are in the GEMMs' dtype.
-SLOT_INPUTS_D = 2
+# (D) and expert-width (F) rows: read from meshtron's compiled H100 programs, not derived from the
+# code (tests/test_estimate_slots.py: the peak's growth with the slots, exact in bf16; XLA held 4
+# D-wide ones at tensor=2). 2 of the D-wide ones counted in the GEMMs' dtype (1 byte under fp8),
+# as the gathered GEMM inputs are.
+SLOT_ROWS_D, SLOT_ROWS_F, SLOT_INPUTS_D = 5, 3, 2
 
 
 def slot_bytes(m, layout: Layout, tokens: float, act_bytes: int, fp8: bool) -> float:
