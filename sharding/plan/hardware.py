@@ -8,7 +8,7 @@ from sharding.pipeline import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
-from sharding.plan.expert_rows import exchange_group, grouped_rows_ratio  # noqa: F401
+from sharding.plan.expert_rows import exchange_group, grouped_rows_ratio
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)

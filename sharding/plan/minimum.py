@@ -46,7 +46,6 @@ import math
 from sharding.layout import Layout
 from sharding.plan import context_parallel
 from sharding.plan.estimate import Precision, model_spec, param_counts, stage_layers
-from sharding.plan.context_parallel import ring_hops
 from sharding.plan.expert_rows import exchange_group
 
 AXES = ("fsdp", "data", "tensor", "context", "expert", "pipeline")
@@ -102,7 +101,8 @@ def minimum_bytes(model, layout: Layout, seq_len: int, precision: Precision) -> 
   ring, degree = context_parallel.factors(m, lay)
   if ring > 1:
     kv = tokens * context_parallel.attended_kv_heads(m, lay) * (m.head_dim + m.v_head_dim())
-    out["context"] += ga * layers * 3 * ring_hops(m, ring, seq_len) * kv * pr.act_bytes
+    hops = context_parallel.ring_hops(m, ring, seq_len)
+    out["context"] += ga * layers * 3 * hops * kv * pr.act_bytes
   if degree > 1:
     payload = context_parallel.ulysses_payload(m, lay, tokens, pr.act_bytes)
     out["context"] += ga * layers * (2 + full) * _ring(degree) * payload
