@@ -84,21 +84,28 @@ APART = (("scan_layers", False),)
 # their rate (Qwen3 EP16 4,230 -> 5,667, its force-balanced row 5,542 -> 6,498).
 MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2),
                 ("grouped_matmul", "capacity"))
+# And the SwiGLU run whole on the slots (models/slot_experts.py): the rows gathered in and the
+# products out once a round, x quantized once (Qwen3 EP16 5,656 -> 6,042, its force-balanced
+# row 6,498 -> 6,845). The DeepSeek-V3 rows (a compile of 30-40 minutes each) still run
+# grouped_matmul=capacity.
+MOE_SLOTS = (("keep_first_round", True), ("exchange_chunks", 2), ("grouped_matmul", "slots"))
 _KEPT = ("; the exchange's first round kept for the backward (keep_first_round: its backward"
          " runs neither the exchange nor the experts again); each device's tokens exchanged in"
          " 2 chunks apart (exchange_chunks=2: one chunk's exchange behind the other's experts)")
 _SLOTS = ("; the experts as batched GEMMs over {} an expert's balanced share of rows each"
           " (grouped_matmul=capacity: an expert's rows past its slots run in later rounds; {})")
+_WHOLE = ("; the experts' SwiGLU run whole on {} an expert's balanced share of slots each"
+          " (grouped_matmul=slots: the rows gathered in and the products out once a round; an"
+          " expert's rows past its slots run in later rounds; {})")
+_TWICE = ("2x", "predicted for one round: no expert over 2x its share")
+_EXACTLY = ("exactly", "one round, as forced balance guarantees")
 _FORCE_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, its real router, exchange buffers 2x a device pair's"
-                   " balanced share (predicted for one round: no pair over 2x its share)" + _KEPT
-                   + _SLOTS.format("2x", "predicted for one round: no expert over 2x its"
-                                   " share"))
+                   " balanced share (predicted for one round: no pair over 2x its share)" + _KEPT)
 _AS_IF_BALANCED = ("anchor: dropless, token distribution force-balanced across experts;"
                    " meshtron: dropless, exchange buffers of exactly a device pair's balanced"
                    " share (exchange_capacity=1), predicted for one round, which only forced"
-                   " balance guarantees (its real router's excess would run more rounds)" + _KEPT
-                   + _SLOTS.format("exactly", "one round, as forced balance guarantees"))
+                   " balance guarantees (its real router's excess would run more rounds)" + _KEPT)
 
 ANCHORS = (
     Anchor("MaxText Llama-2-70B, FSDP 64", "NVIDIA dgxc-benchmarking, maxtext/README_70b.md"
@@ -193,12 +200,13 @@ ANCHORS = (
            " Both shard the optimizer state over the 16 data-parallel ranks (Megatron's"
            " distributed optimizer; meshtron's ZeRO-1 over `expert`), the experts' own state"
            " over none",
-           compute=_fp8(), routing=_FORCE_BALANCED, master_weights=True, moe=MOE_EXCHANGE),
+           compute=_fp8(), routing=_FORCE_BALANCED + _WHOLE.format(*_TWICE),
+           master_weights=True, moe=MOE_SLOTS),
     Anchor("Megatron-Bridge Qwen3-30B-A3B FP8, EP16, buffers as if force-balanced",
            f"{MEGATRON_BRIDGE}: as the row above", "26.06 (the figure of the row above)", 8_826,
            FP8_CS, "qwen3_30b_a3b", 16, dict(expert=16, zero_stage=1), 1024, 4096, 64, "none",
-           "as the row above", compute=_fp8(), routing=_AS_IF_BALANCED, master_weights=True,
-           moe=(("exchange_capacity", 1.0), *MOE_EXCHANGE)),
+           "as the row above", compute=_fp8(), routing=_AS_IF_BALANCED + _WHOLE.format(
+               *_EXACTLY), master_weights=True, moe=(("exchange_capacity", 1.0), *MOE_SLOTS)),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64", f"{MEGATRON_BRIDGE}: 1,024"
            " GPUs, FP8, GBS 8192, MBS 1, seq 4096, TP2 PP8 VP4 EP64, GA 128, dropless; recipe"
            " deepseek_v3_pretrain_1024gpu_h100_fp8cs_config (recomputes MLA up-projections and"
@@ -213,7 +221,7 @@ ANCHORS = (
            " recipe's expert tensor parallelism of 1; meshtron, as under any sequence"
            " parallelism: its 256 experts over expert x tensor, 128 devices, where Megatron's 64"
            " hold 4 each, twice)",
-           compute=_fp8(), routing=_FORCE_BALANCED,
+           compute=_fp8(), routing=_FORCE_BALANCED + _SLOTS.format(*_TWICE),
            master_weights=True, moe=MOE_EXCHANGE),
     Anchor("Megatron-Bridge DeepSeek-V3 FP8, TP2 PP8 VP4 EP64, buffers as if force-balanced",
            f"{MEGATRON_BRIDGE}: as the row above", "25.09 (the figure of the row above)", 1_297,
@@ -221,7 +229,7 @@ ANCHORS = (
            dict(tensor=2, pipeline=8, virtual_stages=4, pipeline_schedule="paired_1f1b",
                 expert=64, sequence_parallel=True, zero_stage=1),
            8192, 4096, 128, "selective", "as the row above", compute=_fp8(),
-           routing=_AS_IF_BALANCED, master_weights=True,
+           routing=_AS_IF_BALANCED + _SLOTS.format(*_EXACTLY), master_weights=True,
            moe=(("exchange_capacity", 1.0), *MOE_EXCHANGE)),
     Anchor("DeepSeek-V3-like, PP8 EP64 (before)", "issue [26]'s 'before' program: DeepSeek-V3's"
            " MoE on GQA attention, 8 stages x 64 expert devices", "25.09 (the figure of the row"
@@ -245,10 +253,8 @@ ANCHORS = (
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),
            512, 4096, 8, "none", "as the row above",
-           routing="meshtron: dropless, its real router" + _KEPT + _SLOTS.format(
-               "2x", "predicted for one round: no expert over 2x its share"),
-           master_weights=True,
-           moe=MOE_EXCHANGE),
+           routing="meshtron: dropless, its real router" + _KEPT + _WHOLE.format(*_TWICE),
+           master_weights=True, moe=MOE_SLOTS),
 )
 
 

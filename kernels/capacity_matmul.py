@@ -81,6 +81,42 @@ def _overflow(rounds_needed, body, init, *operands):
   return per_replica(loop)(rounds_needed, init, *operands)
 
 
+def rows_to_slots(x, group_sizes, capacity: int, r, order=None):
+  """Round r's rows of each group of x [M, K] in `capacity` slots: [G, C, K], zeros past each
+  group's end (models/slot_experts.py runs a whole SwiGLU on them). `order`: x's rows are not
+  sorted by group, sorted row i is x[order[i]] (one gather through both)."""
+  if order is None:
+    return _gathered(x, group_sizes, capacity, r)
+  at = r * capacity + jnp.arange(capacity, dtype=group_sizes.dtype)
+  rows = _starts(group_sizes)[:, None] + at[None, :]
+  inside = at[None, :] < group_sizes[:, None]
+  rows = jnp.where(inside, order[jnp.clip(rows, 0, x.shape[0] - 1)], x.shape[0])
+  return x.at[rows].get(mode="fill", fill_value=0)
+
+
+def slots_to_rows(y_GCN, group_sizes, capacity: int, r, into, back=None):
+  """Round r's products [G, C, N] at their rows of `into` [M, N], its other rows kept. `back`:
+  the inverse of rows_to_slots' `order` (row j of `into` is sorted row back[j])."""
+  group, position = _row_slots(group_sizes, into.shape[0], capacity)
+  if back is not None:
+    group, position = group[back], position[back]
+  return _back_to_rows(y_GCN, group, position, capacity, r, into)
+
+
+def overflow_rounds(group_sizes, capacity: int, body, init, *operands):
+  """init after body(r, carry, *operands) for each round 1 <= r that a group's rows need, in a
+  loop named OVERFLOW_ROUNDS (counted 0 times by the analysis); once per replica under vmap."""
+  return _overflow(_rounds_needed(group_sizes, capacity), body, init, *operands)
+
+
+def as_stored(w):
+  """w, read as stored: left free, XLA:GPU lays the whole stack of a scanned model's weights out
+  again (in the forward an f8 GEMM wants K minor) and keeps that copy beside the stored one
+  (Qwen3-30B-A3B EP16: 3.4 GiB more at the peak); pinned, its Triton GEMM reads the f8 tiles
+  transposed."""
+  return with_layout_constraint(w, Layout(major_to_minor=tuple(range(w.ndim))))
+
+
 def capacity_matmul(x, w, group_sizes, *, slots: int = 0, transposed: bool = False,
                     preferred_element_type=None, scale=None):
   """ragged_dot(x, w, group_sizes) by rounds of batched GEMMs; not differentiable (see
@@ -94,11 +130,7 @@ def capacity_matmul(x, w, group_sizes, *, slots: int = 0, transposed: bool = Fal
   eqn = "gck,gnk->gcn" if transposed else "gck,gkn->gcn"
   group, position = _row_slots(group_sizes, m, capacity)
 
-  # The weights read as stored: left free, XLA:GPU lays the whole stack of a scanned model's
-  # weights out again (in the forward an f8 GEMM wants K minor) and keeps that copy beside the
-  # stored one (Qwen3-30B-A3B EP16: 3.4 GiB more at the peak); pinned, its Triton GEMM reads
-  # the f8 tiles transposed.
-  w = with_layout_constraint(w, Layout(major_to_minor=tuple(range(w.ndim))))
+  w = as_stored(w)
 
   def run(r, into, x, w, group_sizes, group, position, scale):
     y = jnp.einsum(eqn, _gathered(x, group_sizes, capacity, r), w, preferred_element_type=dtype)

@@ -17,7 +17,9 @@ def per_replica(fn):
 
   @wrapped.def_vmap
   def rule(axis_size, in_batched, *args):
-    outs = [fn(*(a[i] if batched else a for a, batched in zip(args, in_batched)))
+    # Leaf by leaf: an argument may be a pytree (a loop's carry of several arrays).
+    outs = [fn(*jax.tree.map(lambda a, batched, i=i: a[i] if batched else a, args,
+                             tuple(in_batched)))
             for i in range(axis_size)]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
     return stacked, jax.tree.map(lambda _: True, stacked)

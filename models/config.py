@@ -8,7 +8,7 @@ from sharding.plan.estimate import attention_span
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropping", "dropless")
-GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "capacity")
+GROUPED_MATMULS = ("auto", "ragged_dot", "pallas", "capacity", "slots")
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -62,7 +62,9 @@ class MoEConfig:
   # of the rows per expert, E times the FLOPs), "pallas" (kernels/grouped_matmul.py: each row
   # tile through its own experts only; Triton on GPUs, interpreted on CPU), "capacity"
   # (kernels/capacity_matmul.py: batched GEMMs over M / E slots per expert, in rounds until every
-  # row ran), "auto": pallas on GPUs, ragged_dot elsewhere.
+  # row ran), "slots" (models/slot_experts.py: the same slots, but the whole SwiGLU runs on them:
+  # the rows gathered in and the products out once a round, not around every GEMM), "auto":
+  # pallas on GPUs, ragged_dot elsewhere.
   grouped_matmul: str = "auto"
   # The top-k weights renormalized to sum 1 (Mixtral, DeepSeek-V3; Qwen3-MoE's norm_topk_prob);
   # False: the router's own probabilities of the chosen experts.

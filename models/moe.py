@@ -15,8 +15,10 @@ from models.layers import Einsum, logical_param, projection_kw
 from models.mlp import MLP
 from kernels.capacity_matmul import capacity_grouped, slots_per_group
 from kernels.grouped_matmul import grouped_matmul
+from models.slot_experts import SlotPrecision, slot_swiglu
 from sharding import Layout, constrain, dropless_experts
 from sharding.context_parallel import whole_sequence_sum
+from sharding.exchange_rounds import permuted
 from sharding.expert import ExpertAxes
 
 # The logical name of the per-expert routing bias: the optimizer leaves it alone and the train
@@ -144,14 +146,23 @@ class Experts(nnx.Module):
   def weights(self) -> tuple[jax.Array, ...]:
     return tuple(p.w[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
 
-  def grouped(self, x_AD, group_sizes, gate, up, down, axes=ExpertAxes()):
+  def grouped(self, x_AD, group_sizes, gate, up, down, axes=ExpertAxes(), order=None, back=None):
     """Rows grouped by expert through their expert's SwiGLU (`moe.grouped_matmul`), in fp8 when
-    it applies; `axes`: the mesh axes of the dropless region (sharding/expert.py)."""
+    it applies; `axes`: the mesh axes of the dropless region (sharding/expert.py). `order`,
+    `back`: x's rows unsorted, sorted row i is x[order[i]] (`back` the inverse); the outputs
+    in x's order."""
     impl = self.grouped_impl
     if self.fp8_recipe not in (None, *GROUPED_RECIPES):  # a dropping model run dropless
       raise ValueError(f"compute.fp8.recipe={self.fp8_recipe!r} does not run the experts' grouped"
                        f" GEMMs (dropless dispatch), which take {GROUPED_RECIPES}")
-    slots = self.slots(x_AD.shape[0], gate.shape[0], axes) if impl == "capacity" else 0
+    slots = self.slots(x_AD.shape[0], gate.shape[0], axes) if impl in ("capacity", "slots") \
+        else 0
+    if impl == "slots":  # the whole SwiGLU on the slots (tensorwise fp8 or none)
+      return slot_swiglu(x_AD, group_sizes, gate, up, down, order, back, slots,
+                         SlotPrecision(self.fp8_recipe is not None, axes.every))
+    if order is not None:
+      sorted_out = self.grouped(permuted(x_AD, order, back), group_sizes, gate, up, down, axes)
+      return permuted(sorted_out, back, order)
     if self.fp8_recipe is None:
       plain = {"pallas": grouped_matmul, "capacity": functools.partial(
           capacity_grouped, slots=slots)}.get(impl, jax.lax.ragged_dot)

@@ -51,9 +51,10 @@ def dropless_experts(layout, expert_fn: Callable, x_BLD: jax.Array, ids_BLk: jax
   Args:
     layout: the run's sharding.Layout: its mesh, its token exchange ("padded" or "ragged";
       XLA:CPU cannot run the ragged one) and whether the model runs in a pipeline stage.
-    expert_fn: (x_sorted [A, D], group_sizes [E_local] int32, *local params, axes=ExpertAxes)
-      -> [A, D]; rows are grouped by local expert in order, rows past sum(group_sizes) are
-      padding (zeros; their outputs are never read).
+    expert_fn: (x [A, D], group_sizes [E_local] int32, *local params, axes=ExpertAxes,
+      order=None, back=None) -> [A, D]; rows are grouped by local expert in order (or, given
+      `order` and its inverse `back`, sorted row i is x[order[i]], and the outputs come in x's
+      order), rows past sum(group_sizes) are padding (zeros; their outputs are never read).
     x_BLD: tokens.
     ids_BLk: int expert of each of the k assignments (top-k slots) of a token.
     weights_BLk: mixing weight of each assignment.

@@ -96,6 +96,12 @@ LAYOUTS = {
                                                  keep_first_round=True, exchange_chunks=2,
                                                  grouped_matmul="capacity"),
         dict(microbatches=2)),
+    # The whole SwiGLU on those slots (model.moe.grouped_matmul=slots), later rounds included.
+    "expert=4,data=2,dropless,ga=2,exchange_chunks=2,keep_first_round,slots": (
+        M(expert=4, data=2), dataclasses.replace(MOE, exchange_capacity=0.25,
+                                                 keep_first_round=True, exchange_chunks=2,
+                                                 grouped_matmul="slots"),
+        dict(microbatches=2)),
     # Every expert on every device, the tokens over fsdp, under the replicas' vmap (its rule
     # typed the weights as varying over fsdp, where each GEMM had recorded a cast of its own:
     # "pvary ... must not be present", the planner's fsdp=16 layout for Qwen3-30B-A3B).
@@ -107,6 +113,10 @@ LAYOUTS = {
     "data=2,fsdp=4,dropless,ga=2,capacity": (
         M(data=2, fsdp=4), dataclasses.replace(MOE, exchange_capacity=0.25,
                                                grouped_matmul="capacity"),
+        dict(microbatches=2)),
+    "data=2,fsdp=4,dropless,ga=2,slots": (
+        M(data=2, fsdp=4), dataclasses.replace(MOE, exchange_capacity=0.25,
+                                               grouped_matmul="slots"),
         dict(microbatches=2)),
     # ZeRO-1 over data x expert for the shared weights, over data for the experts' own.
     "expert=4,data=2,zero=1,dropless": (M(expert=4, data=2, zero_stage=1), MOE, {}),

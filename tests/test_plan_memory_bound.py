@@ -62,6 +62,20 @@ def test_experts_as_batched_gemms_add_their_gathers_by_hand():
                                                             base[1] + 2 * 272)
 
 
+def test_the_swiglu_whole_on_the_slots_adds_one_gather_each_way_by_hand():
+  """moe.grouped_matmul=slots (models/slot_experts.py) moves each routed row into its slot once
+  and its product out once (D 16, F 8, bf16): forward x in 2Db, y out 2Da = 64 + 64 = 128 a
+  row; backward dy and x in 4Db, dx out 2Da = 128 + 64 = 192 a row, 2 rows a token; fp8 (b =
+  1): 96 and 128. Fewer than capacity's 224 and 384 (the F-wide moves and dx twice are gone)."""
+  plain = dataclasses.replace(SMALL, moe=MoESpec(4, 2, 8, dispatch="dropless"))
+  slots = dataclasses.replace(plain, moe=dataclasses.replace(plain.moe, grouped_matmul="slots"))
+  assert memory_bound.layer_bytes(slots, Layout(), PLAYBOOK_MIXED) == (1120 + 2 * 128,
+                                                                     1312 + 2 * 192)
+  fp8 = trainer_precision("bfloat16", "bfloat16", fp8_layers=True)
+  base = memory_bound.layer_bytes(plain, Layout(), fp8)
+  assert memory_bound.layer_bytes(slots, Layout(), fp8) == (base[0] + 2 * 96, base[1] + 2 * 128)
+
+
 def test_a_step_s_memory_bound_seconds_by_hand():
   """Per token: 2 layers x (608 forward + 800 backward) + 3aV = 600 for the cross-entropy;
   selective remat runs each layer's forward again (+2 x 608); at 3.0 TB/s."""

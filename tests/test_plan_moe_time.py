@@ -69,15 +69,16 @@ def test_experts_as_batched_gemms_run_at_the_dense_gemms_rate():
   routed, peak = linear * 768 / 1664, H100.peak_bf16_flops
   dropping = hardware.matmul_seconds(MOE, layout, SEQ, H100, linear, peak)
   for headroom, extra in ((1.0, 0.0), (2.0, routed / (peak * H100.gemm_peak_fraction))):
-    batched = dataclasses.replace(DROPLESS, moe=dataclasses.replace(
-        DROPLESS.moe, grouped_matmul="capacity", exchange_capacity=headroom))
-    assert hardware.grouped_rows_ratio(batched, layout) == headroom
-    assert hardware.matmul_seconds(batched, layout, SEQ, H100, linear, peak) == pytest.approx(
-        dropping + extra)
+    for kernel in ("capacity", "slots"):  # the slots: the same GEMMs, the SwiGLU whole on them
+      batched = dataclasses.replace(DROPLESS, moe=dataclasses.replace(
+          DROPLESS.moe, grouped_matmul=kernel, exchange_capacity=headroom))
+      assert hardware.grouped_rows_ratio(batched, layout) == headroom
+      assert hardware.matmul_seconds(batched, layout, SEQ, H100, linear, peak) == \
+          pytest.approx(dropping + extra)
   plain = hardware.step_time(DROPLESS, layout, SEQ, PRECISION, H100)
   assert hardware.step_time(batched, layout, SEQ, PRECISION, H100).memory_bound_s > \
       plain.memory_bound_s  # twice the rows, and their gathers
-  assert model_spec(batched).moe.grouped_matmul == "capacity"
+  assert model_spec(batched).moe.grouped_matmul == kernel == "slots"
 
 
 @pytest.mark.parametrize("expert, per_node", [(16, 8), (64, 8)])

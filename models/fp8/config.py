@@ -74,3 +74,8 @@ class Fp8Config:
                        f" {GROUPED_RECIPES}): set compute.fp8.recipe to one of those,"
                        " model.moe.dispatch='dropping', or drop 'experts' from"
                        " compute.fp8.targets")
+    if moe is not None and moe.dispatch == "dropless" and self.applies_to("experts") and \
+        moe.grouped_matmul == "slots" and self.recipe != "tensorwise":
+      raise ValueError(f"model.moe.grouped_matmul='slots' runs the experts' fp8 GEMMs"
+                       f" tensorwise only, not compute.fp8.recipe={self.recipe!r}: set"
+                       " compute.fp8.recipe='tensorwise' or model.moe.grouped_matmul='capacity'")

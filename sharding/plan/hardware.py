@@ -8,7 +8,7 @@ from sharding.pipeline import schedules
 from sharding.layout import Layout
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
-from sharding.plan.expert_rows import exchange_group, grouped_rows_ratio
+from sharding.plan.expert_rows import batched, exchange_group, grouped_rows_ratio
 from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
@@ -267,8 +267,8 @@ def matmul_seconds(model, layout: Layout, seq_len: int, hw: HardwareProfile, lin
       FLASH_MATMULS_PER_COUNTED if m.flash_attention else 1.0, 1.0))
   routed, bf16 = linear * grouped_share(model), hw.peak_bf16_flops
   scores_rate = hw.flash_triton_fraction if m.flash_attention else hw.gemm_peak_fraction
-  grouped_rate = linear_peak * hw.gemm_peak_fraction if m.moe and m.moe.grouped_matmul == \
-      "capacity" else bf16 * hw.grouped_matmul_fraction
+  grouped_rate = linear_peak * hw.gemm_peak_fraction if batched(m.moe) else \
+      bf16 * hw.grouped_matmul_fraction
   return (((linear - routed) / linear_peak + head / bf16) / hw.gemm_peak_fraction +
           (scores - head) / (bf16 * scores_rate) +
           routed * grouped_rows_ratio(m, layout) / grouped_rate)

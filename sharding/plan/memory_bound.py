@@ -20,6 +20,9 @@ written once (a = the activations' bytes, D the hidden width, per token and laye
   kernels/capacity_matmul.py;    rows: x and h in, gate, up   x and h in again for dW:
   b the GEMM input's bytes)      and down out: 2Db + 4Fa +    4Db + 2Fa + 6Fb + 4Da
                                  2Fb + 2Da
+  the SwiGLU whole on the slots  x into the slots, the        dy and x into the slots, dx
+  (moe.grouped_matmul=slots,     products out: 2Db + 2Da      out: 4Db + 2Da
+  models/slot_experts.py)
   cross-entropy over V logits    read aV                      read, write: 2aV
 
 The recomputed forwards (selective and full remat, the pipeline executor's) run the forward's
@@ -66,9 +69,10 @@ def layer_bytes(model, layout: Layout, precision: Precision,
   wide = 1 if lay.sequence_parallel else lay.tensor  # D-wide work per device, in tensor shards
   cast = 2 * a + 1 if precision.fp8_layers else 0
   b = 1 if precision.fp8_layers else a  # the experts' GEMM inputs
-  slots = (2 * d * b + 4 * expert * a + 2 * expert * b + 2 * d * a,
-           4 * d * b + 2 * expert * a + 6 * expert * b + 4 * d * a) if moe and \
-      moe.grouped_matmul == "capacity" else (0, 0)
+  slots = {"capacity": (2 * d * b + 4 * expert * a + 2 * expert * b + 2 * d * a,
+                        4 * d * b + 2 * expert * a + 6 * expert * b + 4 * d * a),
+           "slots": (2 * d * b + 2 * d * a, 4 * d * b + 2 * d * a)}.get(
+               moe.grouped_matmul if moe else "", (0, 0))
   forward = (wide * (10 * a * d + 8 * a * d * copies + (copies + moe_layers) * a * d) +
              2 * a * (q + k_width) + 3 * a * dense + 3 * a * expert * rows + slots[0] * rows)
   backward = (wide * (12 * a * d + 8 * a * d * copies + (2 * copies + moe_layers) * a * d) +
