@@ -86,8 +86,10 @@ MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2),
                 ("grouped_matmul", "capacity"))
 # And the SwiGLU run whole on the slots (models/slot_experts.py): the rows gathered in and the
 # products out once a round, x quantized once (Qwen3 EP16 5,656 -> 6,042, its force-balanced
-# row 6,498 -> 6,845). The DeepSeek-V3 rows (a compile of 30-40 minutes each) still run
-# grouped_matmul=capacity.
+# row 6,498 -> 6,845, DeepSeek-V3-like 191.0 -> 207.6). The DeepSeek-V3 rows keep
+# grouped_matmul=capacity: its force-balanced row read 489.7 -> 488.7 with slots (kernels 40.41
+# -> 39.46 s, but 26.5 -> 27.6 s of its exchanges exposed), and the real-router row's compile
+# was killed beside it (two at once: this machine's memory).
 MOE_SLOTS = (("keep_first_round", True), ("exchange_chunks", 2), ("grouped_matmul", "slots"))
 _KEPT = ("; the exchange's first round kept for the backward (keep_first_round: its backward"
          " runs neither the exchange nor the experts again); each device's tokens exchanged in"
