@@ -88,8 +88,8 @@ MOE_EXCHANGE = (("keep_first_round", True), ("exchange_chunks", 2),
 # products out once a round, x quantized once (Qwen3 EP16 5,656 -> 6,042, its force-balanced
 # row 6,498 -> 6,845, DeepSeek-V3-like 191.0 -> 207.6). The DeepSeek-V3 rows keep
 # grouped_matmul=capacity: its force-balanced row read 489.7 -> 488.7 with slots (kernels 40.41
-# -> 39.46 s, but 26.5 -> 27.6 s of its exchanges exposed), and the real-router row's compile
-# was killed beside it (two at once: this machine's memory).
+# -> 39.46 s, but 26.5 -> 27.6 s of its exchanges exposed); the real-router row 445.7 -> 451.5
+# (compiled alone: two at once exceed this machine's memory), not adopted yet.
 MOE_SLOTS = (("keep_first_round", True), ("exchange_chunks", 2), ("grouped_matmul", "slots"))
 _KEPT = ("; the exchange's first round kept for the backward (keep_first_round: its backward"
          " runs neither the exchange nor the experts again); each device's tokens exchanged in"
