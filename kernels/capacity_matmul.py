@@ -42,10 +42,13 @@ def _starts(group_sizes):
   return jnp.cumsum(group_sizes) - group_sizes
 
 
-def _gathered(x, group_sizes, capacity, r):
-  """Round r's rows of each group: [G, C, K], zeros past each group's end."""
+def _gathered(x, group_sizes, capacity, r, order=None):
+  """Round r's rows of each group: [G, C, K], zeros past each group's end; through `order` (sorted
+  row i is x[order[i]]) when x's rows are not sorted by group."""
   at = r * capacity + jnp.arange(capacity, dtype=group_sizes.dtype)
   rows = _starts(group_sizes)[:, None] + at[None, :]
+  if order is not None:
+    rows = order[jnp.clip(rows, 0, x.shape[0] - 1)]
   rows = jnp.where(at[None, :] < group_sizes[:, None], rows, x.shape[0])  # past x: filled
   return x.at[rows].get(mode="fill", fill_value=0)
 
@@ -85,13 +88,7 @@ def rows_to_slots(x, group_sizes, capacity: int, r, order=None):
   """Round r's rows of each group of x [M, K] in `capacity` slots: [G, C, K], zeros past each
   group's end (models/slot_experts.py runs a whole SwiGLU on them). `order`: x's rows are not
   sorted by group, sorted row i is x[order[i]] (one gather through both)."""
-  if order is None:
-    return _gathered(x, group_sizes, capacity, r)
-  at = r * capacity + jnp.arange(capacity, dtype=group_sizes.dtype)
-  rows = _starts(group_sizes)[:, None] + at[None, :]
-  inside = at[None, :] < group_sizes[:, None]
-  rows = jnp.where(inside, order[jnp.clip(rows, 0, x.shape[0] - 1)], x.shape[0])
-  return x.at[rows].get(mode="fill", fill_value=0)
+  return _gathered(x, group_sizes, capacity, r, order)
 
 
 def slots_to_rows(y_GCN, group_sizes, capacity: int, r, into, back=None):

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from kernels.capacity_matmul import as_stored, overflow_rounds, rows_to_slots, slots_to_rows
 from kernels.grouped_matmul import summed_like
 from kernels.residuals import keep
-from models.fp8.delayed import E4M3, quantize, scale_from_amax
+from models.fp8.delayed import E4M3, quantize
+from models.fp8.grouped import quantize_rows
 
 
 class SlotPrecision(NamedTuple):
@@ -36,14 +37,11 @@ class SlotPrecision(NamedTuple):
 
 
 def _quantized(t, precision: SlotPrecision):
-  """(fp8 t, its scale), or (t, None) without fp8. The output gradients are e4m3 too, as the
-  grouped fp8 GEMMs' (models/fp8/grouped.py says why)."""
+  """(fp8 t, its tensorwise scale), or (t, None) without fp8. The output gradients are e4m3 too,
+  as the grouped fp8 GEMMs' (models/fp8/grouped.py says why)."""
   if not precision.fp8:
     return t, None
-  amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
-  amax = jax.lax.pmax(amax, precision.every) if precision.every else amax
-  scale = scale_from_amax(amax, E4M3)
-  return quantize(t, scale, E4M3), scale
+  return quantize_rows("tensorwise", t, (), precision.every, E4M3)
 
 
 def _gemm(eqn, a, a_scale, b, b_scale, dtype):
