@@ -206,6 +206,18 @@ def test_even_dropless_moe_stages_equal_one_device():
   assert_same_training(harness.run(PIPELINE, moe=ALL_MOE, microbatches=2), ref)
 
 
+def test_kept_residuals_of_dropless_moe_stages_train_like_one_device():
+  """pipeline_recompute=false with dropless MoE stages (pipeline=2 x expert=2 x data=2, 2
+  microbatches, every layer a MoE, the first round kept, two chunks apart): the forward tick's
+  kept residuals include the exchange's index arrays, computed from constants alone; typed
+  invariant, the tick's switch refused them beside the idle branch's zeros ("switch branches
+  must have equal output types"). The training equals one device's."""
+  mesh = dataclasses.replace(PIPELINE, pipeline_recompute=False)
+  moe = dataclasses.replace(ALL_MOE, keep_first_round=True, exchange_chunks=2)
+  ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], moe=ALL_MOE)
+  assert_same_training(harness.run(mesh, moe=moe, microbatches=2), ref)
+
+
 @pytest.mark.slow
 def test_a_stage_of_dense_and_moe_layers_under_zero_bubble_equals_one_device():
   """1 dense + 3 MoE layers (stage 0: the dense and a MoE layer), ZB-H1 (the backward split in

@@ -296,7 +296,9 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
                                                        chunk_quantized)[0]), no_stored
       (y, loss), (stats, rows), stored = keeping.forward(weights, x, mb)
-      return (*no_part[:2], loss, full(stats), varying(rows)), y, stored
+      # Typed varying like the idle branch's zeros: a residual computed from constants alone
+      # (the MoE exchange's index arrays) is not, and the switch refused the branches.
+      return (*no_part[:2], loss, full(stats), varying(rows)), y, vary(stored)
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)
