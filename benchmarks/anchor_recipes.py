@@ -187,7 +187,8 @@ ANCHORS = (
            " changes so far: each sequence-parallel activation gathered once, the flash kernel"
            " inside the stages, a forward and a backward in each steady tick (paired_1f1b), the"
            " head on every stage, bf16 weights with float32 master copies (each tick had cast"
-           " its chunk's float32 weights to bf16 again: 54.1 tok/s/GPU at 71.5 GiB without)",
+           " its chunk's float32 weights to bf16 again: 54.1 tok/s/GPU at 71.5 GiB without), the"
+           " drain's ticks a loop without the forward and the head (64.0 tok/s/GPU with them)",
            "26.06 (the figure of the row"
            " above)", 326, "bf16", "llama3_405b", 128,
            dict(tensor=8, pipeline=16, sequence_parallel=True, pipeline_schedule="paired_1f1b"),
@@ -250,7 +251,8 @@ ANCHORS = (
            " only matmul, kernel and exchange outputs, a forward and a backward in each steady"
            " tick (paired_1f1b), the head on every stage, bf16 weights with float32 master"
            " copies, moments and gradient sums split over `expert` (ZeRO-2: at ZeRO-1 the"
-           " whole float32 sums of the shared weights peak at 84 GiB)",
+           " whole float32 sums of the shared weights peak at 84 GiB), the drain's ticks a loop"
+           " without the forward and the head (207.6 tok/s/GPU with them)",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),

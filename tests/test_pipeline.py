@@ -97,8 +97,8 @@ def test_context_parallelism_inside_the_stages_equals_one_device(mesh, impl, ref
 
 
 def tick_loops(table) -> list[tuple[int, int, int]]:
-  """(repeats, ticks, flags: 1 a backward, 2 the head) of each loop the executor runs the
-  ticks of `table` in (a loop of `repeats` iterations around it where repeats > 1)."""
+  """(repeats, ticks, flags: 1 a backward, 2 the head, 4 a forward) of each loop the executor
+  runs the ticks of `table` in (a loop of `repeats` iterations around it where repeats > 1)."""
   return [(repeats, length, f)
           for _, repeats, block in schedules.tick_segments(schedules.loop_flags(table))
           for _, length, f in block]
@@ -357,7 +357,7 @@ def test_the_paired_backward_slot_runs_outside_a_conditional():
       comps, re.search(r"\bbody=%?([\w.\-]+)", i.attrs).group(1)))
       for c, instrs in comps.items() for i in instrs if i.op == "while"]
   runs = tick_loops(schedules.make("paired_1f1b", 4, 8, 2))
-  assert runs == [(1, 8, 2), (1, 11, 3), (1, 8, 1)]  # warm-up (with the head), steady, cool-down
+  assert runs == [(1, 8, 6), (1, 11, 7), (1, 8, 1)]  # warm-up (with the head), steady, cool-down
   ticks = [(trips, n > 0) for trips, n in loops if trips in (8, 11)]  # and the lookups' map
   assert sorted(ticks) == [(8, False), (8, False), (8, True), (11, True)], loops
 

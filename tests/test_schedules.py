@@ -208,8 +208,27 @@ def test_tick_segments_fold_a_recurring_block_of_runs():
   heads = S.head_ticks(table)
   assert heads.sum() == 128 and not heads[:39].any()
   assert S.tick_segments(S.loop_flags(table)) == [
-      (0, 1, [(0, 39, 0)]), (39, 1, [(0, 1, 2)]), (40, 1, [(0, 7, 3)]),
-      (47, 15, [(0, 32, 1), (32, 8, 3)]), (647, 1, [(0, 40, 1)])]
+      (0, 1, [(0, 39, 4)]), (39, 1, [(0, 1, 6)]), (40, 1, [(0, 7, 7)]),
+      (47, 15, [(0, 32, 5), (32, 8, 7)]), (647, 1, [(0, 40, 1)])]
+
+
+def test_the_drain_loop_holds_no_forward_nor_head():
+  """DeepSeek-V3-like PP8 EP64's schedule (8 microbatches on 8 stages): its last 8 ticks run
+  backwards only. Their run without a head is shorter than 2 x stages, so it held the head (and
+  with it the forward slot): the step-time model priced both conditionals there at their
+  costliest branch. Now the drain is a loop of its own, flagged with neither; the 1F1B steady
+  state's lone tick without a forward, and 4 stages' drain of 4 ticks (shorter than 8), stay
+  in their loops."""
+  table = S.make("paired_1f1b", 8, 8, 1)
+  assert not table.forward_ticks()[15:].any() and table.forward_ticks()[:15].all()
+  assert S.tick_segments(S.loop_flags(table)) == [
+      (0, 1, [(0, 8, 6)]), (8, 1, [(0, 7, 7)]), (15, 1, [(0, 8, 1)])]
+  before = table.backward_ticks() + 2 * S.head_ticks(table)
+  assert S.tick_segments(before) == [(0, 1, [(0, 8, 2)]), (8, 1, [(0, 15, 3)])]
+  one_f_one_b = S.make("1f1b", 4, 8, 1)
+  assert not one_f_one_b.forward_ticks()[4]  # the lone tick: stage 3's first backward only
+  assert not one_f_one_b.forward_ticks()[18:].any()
+  assert S.tick_segments(S.loop_flags(one_f_one_b)) == [(0, 1, [(0, 4, 6)]), (4, 1, [(0, 18, 7)])]
 
 
 @pytest.mark.parametrize("args", [("1f1b", 4, 8, 1), ("afab", 4, 8, 1), ("zero_bubble", 4, 8, 1),

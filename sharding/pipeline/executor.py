@@ -282,9 +282,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         dx = nothing
       return d_chunk, d_shared, dx, loss, stats, row_stats
 
-    # The branches return what to add to the accumulators, never the accumulators: a buffer
-    # passed through a conditional is copied whole in every branch that does not update it
-    # (the 70B TP4 PP8 VP5 program copied its stage's gradients 12 times a tick).
+    # The branches return what to add to the sums, never the sums: a buffer passed through a
+    # conditional is copied whole in each branch not updating it (70B TP4 PP8 VP5: 12 a tick).
     no_part = (zeros(chunk), no_shared, no_loss, none_stats, no_rows)
     no_stored = zeros(list(keeping.stored)) if keeping else []
 
@@ -296,8 +295,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
                                                        chunk_quantized)[0]), no_stored
       (y, loss), (stats, rows), stored = keeping.forward(weights, x, mb)
-      # Typed varying like the idle branch's zeros: a residual computed from constants alone
-      # (the MoE exchange's index arrays) is not, and the switch refused the branches.
+      # Varying like idle's zeros (the MoE exchange's index arrays are made from constants)
       return (*no_part[:2], loss, full(stats), varying(rows)), y, vary(stored)
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):

@@ -92,6 +92,12 @@ class Schedule:
         [self.op, self.paired[..., 0]], axis=-1)
     return np.any(np.isin(ops, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)), axis=(1, 2))
 
+  def forward_ticks(self) -> np.ndarray:
+    """[ticks] bool: the ticks in which some stage runs a forward."""
+    ops = self.op[..., None] if self.paired is None else np.stack(
+        [self.op, self.paired[..., 0]], axis=-1)
+    return np.any(ops == FORWARD, axis=(1, 2))
+
   def head_ops(self) -> np.ndarray:
     """[ticks, 3] int: (microbatch, stage, chunk) of the forward each tick runs at the pipeline's
     last position, or -1s where none runs: the ticks after whose first slot the executor runs
@@ -231,8 +237,19 @@ def tick_segments(flags: np.ndarray, longest: int = 4) -> list[tuple[int, int, l
 
 def loop_flags(schedule: Schedule) -> np.ndarray:
   """[ticks] int: the flags by which the executor's loops over the ticks run each run of ticks
-  apart: 1 where some stage runs a backward, 2 where the loop holds the head (`head_ticks`)."""
-  return schedule.backward_ticks() + 2 * head_ticks(schedule)
+  apart: 1 where some stage runs a backward, 2 where the loop holds the head (`head_ticks`), 4
+  where some stage runs a forward. A loop compiles the operations its ticks run: the drain's,
+  where no stage runs a forward, holds neither a forward nor the head that follows one (the
+  step-time model priced their conditionals in each of those ticks at the costliest branch,
+  though every stage takes the idle one: DeepSeek-V3-like PP8 EP64's last 8 of 23 ticks, whose
+  short run without a head shared the head's loop). Runs without a forward shorter than the
+  stages, or than 8, keep it: a loop is another compile of the whole tick (the 1F1B steady
+  state's lone tick without one, a few stages' short drain)."""
+  forwards = schedule.forward_ticks()
+  for start, length in tick_runs(forwards):
+    if not forwards[start] and length < max(8, schedule.stages):
+      forwards[start:start + length] = True
+  return schedule.backward_ticks() + 2 * (head_ticks(schedule) & forwards) + 4 * forwards
 
 
 def head_ticks(schedule: Schedule) -> np.ndarray:
