@@ -88,15 +88,17 @@ class Schedule:
 
   def backward_ticks(self) -> np.ndarray:
     """[ticks] bool: the ticks in which some stage runs a backward (or a part of one)."""
-    ops = self.op[..., None] if self.paired is None else np.stack(
-        [self.op, self.paired[..., 0]], axis=-1)
-    return np.any(np.isin(ops, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)), axis=(1, 2))
+    return np.any(np.isin(self._slot_ops(), (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)),
+                  axis=(1, 2))
 
   def forward_ticks(self) -> np.ndarray:
     """[ticks] bool: the ticks in which some stage runs a forward."""
-    ops = self.op[..., None] if self.paired is None else np.stack(
+    return np.any(self._slot_ops() == FORWARD, axis=(1, 2))
+
+  def _slot_ops(self) -> np.ndarray:
+    """[ticks, stages, slots] int: the operation of each slot (paired schedules: 2)."""
+    return self.op[..., None] if self.paired is None else np.stack(
         [self.op, self.paired[..., 0]], axis=-1)
-    return np.any(ops == FORWARD, axis=(1, 2))
 
   def head_ops(self) -> np.ndarray:
     """[ticks, 3] int: (microbatch, stage, chunk) of the forward each tick runs at the pipeline's
