@@ -206,16 +206,28 @@ def test_even_dropless_moe_stages_equal_one_device():
   assert_same_training(harness.run(PIPELINE, moe=ALL_MOE, microbatches=2), ref)
 
 
-def test_kept_residuals_of_dropless_moe_stages_train_like_one_device():
+KEPT = dataclasses.replace(PIPELINE, pipeline_recompute=False)
+KEPT_MOE = dataclasses.replace(ALL_MOE, keep_first_round=True, exchange_chunks=2)
+
+
+def test_kept_residuals_of_dropless_moe_stages_lower():
   """pipeline_recompute=false with dropless MoE stages (pipeline=2 x expert=2 x data=2, 2
   microbatches, every layer a MoE, the first round kept, two chunks apart): the forward tick's
   kept residuals include the exchange's index arrays, computed from constants alone; typed
   invariant, the tick's switch refused them beside the idle branch's zeros ("switch branches
-  must have equal output types"). The training equals one device's."""
-  mesh = dataclasses.replace(PIPELINE, pipeline_recompute=False)
-  moe = dataclasses.replace(ALL_MOE, keep_first_round=True, exchange_chunks=2)
+  must have equal output types"), and the step did not trace. It lowers now, the stages
+  keeping the exchange's rows (the training equals one device's: the case below)."""
+  cfg = harness.config(KEPT, moe=KEPT_MOE, microbatches=2)
+  trainer = Trainer(cfg)
+  assert not trainer.layout.pipeline_recompute
+  with trainer.scope():
+    text = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).as_text()
+  assert "all_to_all" in text
+
+
+def test_kept_residuals_of_dropless_moe_stages_train_like_one_device():
   ref = harness.run(MeshConfig(data=1), devices=jax.devices()[:1], moe=ALL_MOE)
-  assert_same_training(harness.run(mesh, moe=moe, microbatches=2), ref)
+  assert_same_training(harness.run(KEPT, moe=KEPT_MOE, microbatches=2), ref)
 
 
 @pytest.mark.slow
