@@ -295,8 +295,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
         return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
                                                        chunk_quantized)[0]), no_stored
       (y, loss), (stats, rows), stored = keeping.forward(weights, x, mb)
-      # Varying like idle's zeros (the MoE exchange's index arrays are made from constants)
-      return (*no_part[:2], loss, full(stats), varying(rows)), y, vary(stored)
+      return (*no_part[:2], loss, full(stats), varying(rows)), y, stored
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):
       d_chunk, d_shared, dx, loss, stats, row_stats = vjps(wrt_params, wrt_x)

@@ -74,7 +74,9 @@ class KeptResiduals:
     values = jaxpr_as_fun(self.program)(*jax.tree.leaves(self.vary((weights, x, mb))))
     count = len(jax.tree.leaves(self.outputs))
     out, aux = jax.tree.unflatten(jax.tree.structure(self.outputs), values[:count])
-    stored = [v for v, kept in zip(values[count:], self.stored_here) if kept]
+    # Typed varying as the tick's buffers are (the MoE exchange's index arrays, computed from
+    # constants alone, are not: the tick's switch refused them beside its idle zeros).
+    stored = self.vary([v for v, kept in zip(values[count:], self.stored_here) if kept])
     return out, aux, stored
 
   def pullback(self, weights, x, mb, stored):

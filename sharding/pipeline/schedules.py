@@ -247,10 +247,7 @@ def loop_flags(schedule: Schedule) -> np.ndarray:
   short run without a head shared the head's loop). Runs without a forward shorter than the
   stages, or than 8, keep it: a loop is another compile of the whole tick (the 1F1B steady
   state's lone tick without one, a few stages' short drain)."""
-  forwards = schedule.forward_ticks()
-  for start, length in tick_runs(forwards):
-    if not forwards[start] and length < max(8, schedule.stages):
-      forwards[start:start + length] = True
+  forwards = _gaps_filled(schedule.forward_ticks(), max(8, schedule.stages))
   return schedule.backward_ticks() + 2 * (head_ticks(schedule) & forwards) + 4 * forwards
 
 
@@ -260,11 +257,17 @@ def head_ticks(schedule: Schedule) -> np.ndarray:
   2 x stages (at least 8): a body without the head is another compile of the whole tick, worth
   it only where it runs often (the interleaved steady state runs 8 ticks with a head in every
   stages x virtual, the 70B TP4 PP8 VP5 program 32 without)."""
-  heads = schedule.head_ops()[:, 0] >= 0
-  for start, length in tick_runs(heads):
-    if not heads[start] and length < max(8, 2 * schedule.stages):
-      heads[start:start + length] = True
-  return heads
+  return _gaps_filled(schedule.head_ops()[:, 0] >= 0, max(8, 2 * schedule.stages))
+
+
+def _gaps_filled(ticks: np.ndarray, shortest: int) -> np.ndarray:
+  """`ticks` (bool) with each run of False shorter than `shortest` set True: a loop of its own
+  is another compile of the whole tick, worth it only for a long run."""
+  ticks = ticks.copy()
+  for start, length in tick_runs(ticks):
+    if not ticks[start] and length < shortest:
+      ticks[start:start + length] = True
+  return ticks
 
 
 def make(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
