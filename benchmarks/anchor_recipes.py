@@ -252,7 +252,8 @@ ANCHORS = (
            " tick (paired_1f1b), the head on every stage, bf16 weights with float32 master"
            " copies, moments and gradient sums split over `expert` (ZeRO-2: at ZeRO-1 the"
            " whole float32 sums of the shared weights peak at 84 GiB), the drain's ticks a loop"
-           " without the forward and the head (207.6 tok/s/GPU with them)",
+           " without the forward and the head (207.6 tok/s/GPU with them), the flash kernel's"
+           " outputs kept by the scanned chunks' layer checkpoint (233.0 running it again)",
            "25.09 (the figure of"
            " the row above)", 1_297, "bf16", "deepseek_v3_like", 512,
            dict(pipeline=8, expert=64, pipeline_schedule="paired_1f1b", zero_stage=2),

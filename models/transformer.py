@@ -341,8 +341,8 @@ class Transformer(nnx.Module):
     # (Layout.stage_remat). Its pullback lives within one tick: the executor recomputes the
     # chunk's forward in its backward tick and differentiates it at once, so a layer
     # checkpoint only ran each layer's forward a third time (the DeepSeek-V3 recipe's MoE
-    # exchanges too), and jax.checkpoint saves no residual of a custom_vjp (the flash kernel's,
-    # a region nested in the stage: sharding.shard_map.stage_shard_map).
+    # exchanges too; of the regions nested in the stage, sharding.shard_map.stage_shard_map,
+    # the flash kernel's keeps its outputs under remat "none", the experts' none).
     # Unless the stages keep their residuals (pipeline_recompute off): then the policy decides
     # what they keep, as without stages.
     kept = self.layout.in_pipeline_stage and not self.layout.pipeline_recompute

@@ -193,9 +193,11 @@ def context_attention(layout, kernel: Callable, q, k, v, positions, segment_ids,
     # mesh and is manual over the rest (tensor: a Pallas kernel called on the stage's values
     # as they are would run every head on every device); its gradient recomputes the attention
     # (sharding.shard_map.stage_shard_map says why JAX's own cannot be used there). The ring is
-    # refused in stages (sharding/resolution.py).
+    # refused in stages (sharding/resolution.py). Named: a scanned chunk's layer checkpoint
+    # (remat none) keeps the region's outputs and residuals rather than running it again in
+    # the backward tick.
     return stage_shard_map(per_device, layout.stage_mesh(), specs, out_spec, check,
-                           opaque=True)(q, k, v, positions, segment_ids)
+                           opaque=True, named=True)(q, k, v, positions, segment_ids)
   mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
                          check_vma=check)
   return mapped(q, k, v, positions, segment_ids)

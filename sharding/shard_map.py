@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from kernels.pallas_triton import varying_like
@@ -12,6 +13,11 @@ from sharding.mesh import LayoutError, mesh_sizes
 from sharding.scope import spec
 
 Names = tuple[str | None, ...]
+
+# The name a nested stage region's forward gives its output and kept pullback leaves where the
+# caller asks (`named`), for a layer's remat policy to keep (models/compute.py's "none" keeps
+# every named value).
+STAGE_REGION = "stage_region"
 
 
 def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], out_names: Names,
@@ -75,7 +81,10 @@ def shard_map_logical(layout, fn: Callable, in_names: Sequence[Names | None], ou
 
     check_vma = check_vma_on_cpu or layout.platform != "cpu"
     if layout.in_pipeline_stage:
-      mapped = stage_shard_map(per_device, layout.stage_mesh(), in_specs, out_spec, check_vma)
+      # Named: a scanned chunk's layer checkpoint (remat none) keeps the kernel's residuals (a
+      # flash kernel's output and row statistics) rather than running it again in the backward.
+      mapped = stage_shard_map(per_device, layout.stage_mesh(), in_specs, out_spec, check_vma,
+                               named=True)
     else:
       mapped = jax.shard_map(per_device, mesh=layout.mesh, in_specs=in_specs,
                              out_specs=out_spec, check_vma=check_vma)
@@ -93,7 +102,7 @@ def varying_over(x, axes):
 
 
 def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
-                    opaque: bool = False) -> Callable:
+                    opaque: bool = False, named: bool = False) -> Callable:
   """`fn` under a shard_map nested in a pipeline stage's (manual over the pipeline axis and the
   replicas'), differentiated by a second shard_map: JAX's own differentiation of a nested
   shard_map names the residuals it keeps with the outer manual axes too, which Shardy rejects
@@ -102,7 +111,9 @@ def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
   the region as outputs split over its devices, and the backward's region puts the pullback
   together again and applies it, running no part of the forward twice (it recomputed the whole
   region: the flash kernel's forward, the experts' exchange and matmuls). The floating-point
-  arguments get gradients. `mesh`: the stage's abstract mesh (sharding.Layout.stage_mesh)."""
+  arguments get gradients. `mesh`: the stage's abstract mesh (sharding.Layout.stage_mesh).
+  `named`: the forward's output and kept leaves named STAGE_REGION, which a layer checkpoint
+  under remat "none" keeps rather than running the region again in its backward."""
   region = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                          check_vma=check_vma)
   # The axes the region makes manual (the stage's already are).
@@ -111,10 +122,12 @@ def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
   found = {}
 
   def one_trip(f, *args):
-    # One trip of a while loop: a layer's remat policy keeps the loop's outputs and looks no
-    # further (JAX saves nothing from inside a while), where it would otherwise split the region
-    # to keep the values inside it it deems saveable (a collective's output), naming them with
-    # the stage's manual axes too (JAX 0.10), which Shardy rejects.
+    # One trip of a while loop: a layer's remat policy does not look inside (JAX saves nothing
+    # from inside a while), where it would otherwise split the region to keep the values inside
+    # it it deems saveable (a collective's output), naming them with the stage's manual axes
+    # too (JAX 0.10), which Shardy rejects. Nor does a policy keep a while's outputs: JAX's
+    # partial evaluation of a while runs it again where they are needed, so run_forward names
+    # them (STAGE_REGION) for the policy to keep.
     traced = jax.make_jaxpr(f, return_shape=True)(*args)
     types = jax.tree.unflatten(jax.tree.structure(traced[1]), traced[0].out_avals)
 
@@ -164,6 +177,8 @@ def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
 
   def run_forward(*args):
     out, kept = one_trip(keeping, *args)
+    if named:  # or a layer checkpoint's backward runs the whole region again to get them back
+      out, kept = checkpoint_name((out, kept), STAGE_REGION)
     return out, (args, kept)
 
   def run_backward(residuals, g):

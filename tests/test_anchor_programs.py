@@ -116,10 +116,11 @@ def test_pipeline_stages_attend_with_the_flash_kernel_on_gpus(tmp_path, attentio
 
 def flash_forwards_per_backward(text: str) -> list[int]:
   """The flash forward kernel calls (those that also return the f32 log-sum-exp) in each branch
-  of the executor's tick (idle, forward, backward) of a 2-layer stage: the backward's are 2
-  when the pullback reads the saved residuals; 4 when, under the layer's jax.checkpoint (which
-  saves no custom_vjp residual) or the stage region's recomputing backward, it ran the kernel
-  again."""
+  of the executor's tick (idle, forward, backward), as the program lists them (a scanned
+  chunk's once, in its loop's body). Of a 2-layer stage (unrolled): the backward's are 2 when
+  the pullback reads the saved residuals; 4 when, under a layer checkpoint whose policy keeps
+  less than the kernel's outputs or the stage region's recomputing backward, it ran the kernel
+  again (tests/test_stage_region_remat.py: a scanned chunk's)."""
   comps = hlo.computations(text)
 
   def forward(ins):
