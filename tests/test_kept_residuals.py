@@ -13,6 +13,7 @@ from sharding.layout_text import parse
 from sharding.mesh import LayoutError
 from sharding.plan import estimate, hardware
 from tests import parallel_harness as harness
+from tests.test_moe_parallel import MOE
 from tests.test_parallel import assert_same_training
 from tests.test_pipeline import MODELS, loop_counts, references  # noqa: F401 (a fixture)
 from trainer.trainer import Trainer
@@ -92,15 +93,27 @@ def test_layout_and_estimate_of_kept_residuals():
   assert not Layout(pipeline_recompute=False).stages_recompute()  # no stages: nothing rerun
 
 
-@pytest.mark.parametrize("change,model", [
-    (dict(stage_layers="1+3+2+2"), MODELS[8]),
-    ({}, dataclasses.replace(MODELS[8], mtp_depth=1)),
-], ids=["uneven stages", "multi-token prediction"])
-def test_kept_residuals_refuse_what_they_cannot_keep(change, model):
-  """One line before anything is built: a program per row pattern or a last stage's extra
-  modules are not kept."""
-  cfg = harness.config(dataclasses.replace(kept(4, "1f1b", data=2), **change),
-                       microbatches=8, model=model)
+def test_uneven_stages_keep_their_residuals_and_train_like_one_device(references):
+  """8 layers as 1+3+2+2 on 4 stages (rows padded to 3 a stage): the positions' row patterns
+  nest (the second stage's holds every row the others hold), so one traced chunk program keeps
+  every tick's residuals, the padding rows masked as the recomputing executor masks them
+  (stage_split.nested). Llama-3.1-405B's 126 layers on 16 stages nest alike."""
+  mesh = dataclasses.replace(kept(4, "1f1b", data=2), stage_layers="1+3+2+2")
+  assert Trainer(harness.config(mesh, microbatches=8, model=MODELS[8])).stage_layers == (
+      ("layers", (1, 3, 2, 2)),)
+  assert_same_training(harness.run(mesh, microbatches=8, model=MODELS[8]), references(8))
+
+
+@pytest.mark.parametrize("model,moe", [
+    (dataclasses.replace(MODELS[8], num_layers=4), dataclasses.replace(MOE, dispatch="dropping")),
+    (dataclasses.replace(MODELS[8], mtp_depth=1), None),
+], ids=["a dense and a MoE stack split unevenly", "multi-token prediction"])
+def test_kept_residuals_refuse_what_they_cannot_keep(model, moe):
+  """One line before anything is built: row patterns that do not nest (1 dense + 3 MoE layers
+  on 2 stages: the first runs the dense and a MoE layer, the second two MoE layers; no position
+  runs them all) or a last stage's extra modules are not kept."""
+  mesh = kept(2, "1f1b", data=2, expert=2) if moe else kept(2, "1f1b")
+  cfg = harness.config(mesh, microbatches=8, model=model, moe=moe)
   with pytest.raises(LayoutError, match="pipeline_recompute=false keeps one program"):
     Trainer(cfg)
 

@@ -159,8 +159,8 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
   # The shared weights are replicated over stages; as varying values their gradients stay
   # per stage (no implicit psum inside a branch only one stage takes) and are summed at the end.
   shared = vary(shared)
-  keeping = None if recompute else kept_residuals.for_stage(  # one row pattern, no `last`
-      fns.stage, patterns[0], vary, local, quantized, shared, x, first_mb)
+  keeping = None if recompute else kept_residuals.for_stage(  # nested patterns, no `last`
+      fns.stage, patterns, vary, local, quantized, shared, x, first_mb)
   kept_count, kept_slot = schedule.kept_slots() if keeping else (0, None)  # each op's slot
   layer_max, shared_max = by_max or (jax.tree.map(lambda _: False, local),
                                      jax.tree.map(lambda _: False, shared))
@@ -253,7 +253,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       def middle():
         if keeping is not None:  # the loss was counted in the forward tick
           stored = [b[kept_at] for b in carry["kept"]]
-          d_chunk, dx = keeping.pullback(weights, x, mb, stored)((g, no_loss + 1))
+          d_chunk, dx = keeping.pullback(weights, x, (mb, pattern), stored)((g, no_loss + 1))
           return d_chunk, no_shared, dx, no_loss, none_stats, no_rows
         def one(rows):
           (_, loss), pullback, (stats, row_stats) = jax.vjp(
@@ -294,7 +294,7 @@ def _run(fns, schedule, axis, replica_axes, layers, shared, data, present, by_ma
       if keeping is None:
         return no_part, by_rows(lambda rows: fns.stage(shared, chunk, x, mb, rows,
                                                        chunk_quantized)[0]), no_stored
-      (y, loss), (stats, rows), stored = keeping.forward(weights, x, mb)
+      (y, loss), (stats, rows), stored = keeping.forward(weights, x, (mb, pattern))
       return (*no_part[:2], loss, full(stats), varying(rows)), y, stored
 
     def backward(wrt_params=True, wrt_x=True, count_loss=True):

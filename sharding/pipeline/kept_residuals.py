@@ -10,7 +10,10 @@ stored but computed again in the backward tick, from the one traced program of t
 jaxpr), cut to what they need."""
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from sharding.pipeline import stage_split
 
 
 def _depends(jaxpr: Jaxpr, sources) -> set:
@@ -88,11 +91,22 @@ class KeptResiduals:
                                    for kept in self.stored_here])
 
 
-def for_stage(stage, rows, vary, local, quantized, shared, x, mb) -> KeptResiduals:
-  """A pipeline stage's chunk (StageFns.stage with the row pattern `rows`; `local`, `quantized`:
-  the device's chunks' weights and fp8 copies, traced on the first) with kept residuals."""
-  def chunk(weights, x, mb):
+def for_stage(stage, patterns, vary, local, quantized, shared, x, mb) -> KeptResiduals:
+  """A pipeline stage's chunk (StageFns.stage; `local`, `quantized`: the device's chunks' weights
+  and fp8 copies, traced on the first) with kept residuals, called with (mb, the tick's row
+  pattern number) for mb. Its rows: `patterns`' one, or where the positions' patterns nest
+  (stage_split.nested: one stack split unevenly, as Llama-3.1-405B's 126 layers on 16 stages)
+  the fullest one's at every position with the tick's padding rows masked, as the recomputing
+  executor runs them: one traced program serves every chunk."""
+  if len(patterns) > 1 and not stage_split.nested(patterns):
+    raise ValueError("kept residuals need one row pattern or nested ones"
+                     " (sharding/resolution.py refuses the rest)")
+
+  def chunk(weights, x, inputs):
+    mb, pattern = inputs
+    rows = stage_split.masked_rows(patterns, pattern) if len(patterns) > 1 else patterns[0]
     y, loss, stats, row_stats = stage(weights[2], weights[0], x, mb, rows, weights[1])
     return (y, vary(loss)), (stats, row_stats)
   first = lambda tree: jax.tree.map(lambda w: w[0], tree)
-  return KeptResiduals(chunk, (first(local), first(quantized), shared), x, mb, vary)
+  return KeptResiduals(chunk, (first(local), first(quantized), shared), x,
+                       (mb, jnp.int32(0)), vary)
