@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 
+from benchmarks.anchor_plan_compiled import TIMEOUT_S
 from benchmarks.anchor_recipes import ANCHORS, config
 from sharding.plan.profiles import profile_of_device
 from sharding.xla import compiled, hlo, step_time
@@ -46,7 +47,7 @@ def breakdown(name: str, hlo_path: str, groups: int) -> list:
   if anchor is None:
     sys.exit(f"no anchor named {name!r}; the names are benchmarks/anchor_recipes.py's")
   target = compiled.parse_gpu_target(anchor.target)
-  rep = compile_for_gpus(config(anchor), target, hlo_path=hlo_path)
+  rep = compile_for_gpus(config(anchor), target, hlo_path=hlo_path, timeout=TIMEOUT_S)
   with open(hlo_path) as f:
     text = f.read()
   profile = profile_of_device(target.gpu)

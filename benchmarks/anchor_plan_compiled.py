@@ -33,7 +33,10 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "anchor_plan_compil
 # The anchors' own programs (benchmarks/step_time_anchors.py, `make anchors`).
 ANCHOR_RESULTS = os.path.join(os.path.dirname(__file__), "results", "step_time_anchors.jsonl")
 WORKERS = 2  # compiles at once, as `plan --compile_top`
-TIMEOUT_S = 3600  # one layout's compile: Qwen3-30B-A3B's 48 MoE layers apart take ~20 min here
+# One layout's compile, here and for the anchors table and breakdown: Qwen3-30B-A3B's 48 MoE
+# layers apart take ~20 min, the DeepSeek-V3 rows ~27 (a breakdown of one passed the 30-minute
+# default).
+TIMEOUT_S = 3600
 
 
 def candidate_config(a: Anchor, layout: Layout):

@@ -55,7 +55,7 @@ def run(a: Anchor) -> dict:
   except ValueError as e:  # a layout meshtron refuses today: the row says why
     return {**row, "status": "refused", "reason": str(e).splitlines()[0]}
   try:
-    rep = compile_for_gpus(cfg, target)
+    rep = compile_for_gpus(cfg, target, timeout=anchor_plan_compiled.TIMEOUT_S)
   except ValueError as e:  # accepted, but the compile fails: a bug the row names
     return {**row, "status": "failed", "reason": str(e).splitlines()[0]}
   st = rep.step_time
