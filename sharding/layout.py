@@ -105,8 +105,8 @@ class Layout:
   def layers_per_device(self, num_layers: int) -> int:
     """Layer slots one pipeline stage holds and runs at most: L / pipeline when even, the padded
     stack's share (virtual stages x the largest position) when not."""
-    counts = self.stage_split(num_layers)
-    return max(counts) * self.virtual_stages if counts else num_layers
+    return stage_split.slots_per_device(num_layers, self.pipeline, self.virtual_stages,
+                                        self.stage_layers)
 
   def stage_remat(self, num_layers: int, stages_recompute: bool = True) -> str:
     """The recomputation a layer runs: `remat`, but none in a pipeline stage's unrolled chunk.

@@ -65,13 +65,9 @@ def _check_model_fits(layout: Layout, model, compute, seq_len: int) -> None:
                         " (its program aborts natively on CPU); use dispatch=dropless, or"
                         " pipeline=1 or context=1")
     split = layout.stage_split(model.num_layers)  # every position gets a layer; a split adds up
-    patterns = stage_split.row_patterns(stage_split.present_rows(
-        stage_split.stack_split(split, model.dense_layers())))[0]
-    if not layout.pipeline_recompute and (not stage_split.nested(patterns)
-                                          or getattr(model, "mtp_depth", 0)):
-      raise LayoutError("mesh.pipeline_recompute=false keeps one program's residuals per chunk:"
-                        " it needs stages that split one layer stack (a MoE model's dense layers"
-                        " evenly) and no multi-token prediction; set pipeline_recompute=true")
+    if not layout.pipeline_recompute and not stage_split.keeps_residuals(
+        split, model.dense_layers(), getattr(model, "mtp_depth", 0)):
+      raise LayoutError(stage_split.KEPT_REFUSAL)
     schedules.make(layout.pipeline_schedule, stages, layout.microbatches,
                    layout.virtual_stages)  # the schedule's own checks, as one-line errors
   # Context parallelism splits the sequence into 2 chunks per device in the load-balanced order,

@@ -84,7 +84,8 @@ def test_an_unrolled_chunk_is_priced_without_its_layers_recomputation():
 
 def test_plan_lists_an_unrolled_chunks_program_once():
   """Where remat selective or full would run as none (an unrolled chunk), `plan` lists the
-  layout once, as remat=none, and still lists each remat where a stage's layers are scanned."""
+  layout once, as remat=none, and still lists each remat where a stage's layers are scanned or
+  its chunks' residuals are kept (pipeline_recompute=false: no forward rerun to stand in)."""
   from sharding.plan import planner
   hw = hardware.PROFILES["h100"]
   for layers, remats in ((8, {"none"}), (64, {"none", "selective", "full"})):
@@ -92,7 +93,10 @@ def test_plan_lists_an_unrolled_chunks_program_once():
     result = planner.plan(model, 8, SEQ, 64 * SEQ, PLAYBOOK_MIXED, hw)
     staged = [c.layout for c in result.ranked if c.layout.pipeline == 2
               and c.layout.virtual_stages == 1]
-    assert {lay.remat for lay in staged} == remats, layers
+    rerun = {lay.remat for lay in staged if lay.pipeline_recompute}
+    kept = {lay.remat for lay in staged if not lay.pipeline_recompute}
+    assert rerun == remats, layers
+    assert kept == {"none", "selective", "full"}, layers
 
 
 def test_the_executors_recomputed_forward_sends_its_tensor_collectives_again():
@@ -152,3 +156,23 @@ def test_plan_ranks_no_pipeline_schedule_the_executor_refuses():
   refused = [(what, why) for what, why in result.rejected
              if "needs at least as many microbatches as stages" in why]
   assert refused and all(parse(what).microbatches < parse(what).pipeline for what, _ in refused)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_layouts_schedules_share_its_costs_but_the_bubbles(recompute):
+  """`plan` prices a layout's schedules from one hardware.stage_costs and one
+  estimate.memory_parts: given those of another schedule, step_time and memory are what they
+  are computed alone (exactly), and the schedules' steps differ (and kept, their memory)."""
+  hw, model = hardware.PROFILES["h100"], dataclasses.replace(SMALL, num_layers=16)
+  lays = [Layout(pipeline=2, microbatches=8, virtual_stages=2, remat="selective",
+                 pipeline_schedule=s, pipeline_recompute=recompute)
+          for s in ("interleaved_1f1b", "paired_1f1b")]
+  alone = [hardware.step_time(model, lay, SEQ, PLAYBOOK_MIXED, hw) for lay in lays]
+  sizes = [planner.memory(model, lay, SEQ, PLAYBOOK_MIXED) for lay in lays]
+  assert alone[0].step_s != alone[1].step_s
+  assert (sizes[0] != sizes[1]) == (not recompute)  # kept: the schedules' microbatches in flight
+  for lay, other, time, size in zip(lays, lays[::-1], alone, sizes):
+    costs = hardware.stage_costs(model, other, SEQ, PLAYBOOK_MIXED, hw)
+    assert hardware.step_time(model, lay, SEQ, PLAYBOOK_MIXED, hw, costs=costs) == time
+    parts = planner.memory_parts(model, other, SEQ, PLAYBOOK_MIXED)
+    assert planner.memory(model, lay, SEQ, PLAYBOOK_MIXED, parts=parts) == size

@@ -63,6 +63,14 @@ def split(num_layers: int, positions: int, stage_layers: str = "") -> tuple[int,
   return tuple(counts)
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks it ~10^6 times a search
+def slots_per_device(num_layers: int, pipeline: int, virtual: int, stage_layers: str) -> int:
+  """Layer slots one pipeline stage holds and runs at most (Layout.layers_per_device)."""
+  if pipeline == 1:
+    return num_layers
+  return max(split(num_layers, pipeline * virtual, stage_layers)) * virtual
+
+
 # The model's layer stacks in model order (models/transformer.py): dense layers, then MoE layers.
 STACKS = ("layers", "moe_layers")
 # ((stack name, its layers per position), ...) for the stacks stored padded; () for none.
@@ -129,6 +137,21 @@ def nested(patterns: list[dict]) -> bool:
   stacks (a MoE model's dense and MoE rows), whose union no position runs."""
   union = {k: np.any([p[k] for p in patterns], axis=0) for k in patterns[0]}
   return any(all(np.array_equal(p[k], union[k]) for k in union) for p in patterns)
+
+
+# Why pipeline_recompute=false refuses a layout (sharding.resolution and `plan` both say it).
+KEPT_REFUSAL = ("mesh.pipeline_recompute=false keeps one program's residuals per chunk: it needs"
+                " stages that split one layer stack (a MoE model's dense layers evenly) and no"
+                " multi-token prediction; set pipeline_recompute=true")
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks it for each kept layout
+def keeps_residuals(counts: tuple[int, ...], dense_layers: int, mtp_depth: int) -> bool:
+  """Whether the kept-residuals executor (pipeline_recompute=false) runs the split `counts` of
+  a model with `dense_layers` leading dense layers: its positions' row patterns nest (one
+  program keeps every chunk's residuals) and no multi-token prediction module follows."""
+  patterns = row_patterns(present_rows(stack_split(counts, dense_layers)))[0]
+  return nested(patterns) and not mtp_depth
 
 
 def masked_rows(patterns: list[dict], pattern) -> dict:

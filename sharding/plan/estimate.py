@@ -326,33 +326,33 @@ def state_bytes(shardable: float, replicated: float, layout: Layout, precision: 
   return params, grads, optimizer
 
 
-def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
-           formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
-           stages_recompute: bool = True) -> Memory:
-  """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
-  `stages_recompute`: meshtron's executor (its stash, the head split over the stages, one chunk
-  recomputed unless pipeline_recompute is off); False: all in flight (Megatron)."""
+@dataclasses.dataclass(frozen=True)
+class MemoryParts:
+  """memory's terms that do not depend on `layout.pipeline_schedule` (`plan` sizes a layout's
+  schedules from one)."""
+
+  state: tuple  # (params, grads, optimizer)
+  per_layer: float  # a layer's activations, one microbatch
+  layers: float  # stage_layers
+  tokens: float  # per device and microbatch
+  logit_bytes: float  # the logits' buffers for one microbatch's tokens
+  temporaries: float
+
+
+def memory_parts(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
+                 formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+                 stages_recompute: bool = True) -> MemoryParts:
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
-  params, grads, optimizer = state_bytes(counts.shardable, counts.replicated, lay, precision,
-                                         counts.experts, counts.tables)
+  state = state_bytes(counts.shardable, counts.replicated, lay, precision, counts.experts,
+                      counts.tables)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
   terms = activation_terms(m, precision.act_bytes, formula, kv_heads, precision.fp8_layers)
   tokens = lay.micro_batch * seq_len / lay.context  # per device and microbatch (CP splits seq)
   remat = lay.stage_remat(m.num_layers, stages_recompute)
   per_layer = layer_activation_bytes(terms, tokens, seq_len, lay, remat)
-  schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
-  in_flight, stash, head = schedules.in_flight_microbatches(*schedule), 0.0, 1.0
-  if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
-    stash = (schedules.executor_stash(*schedule) + lay.microbatches) * tokens * m.embed_dim * \
-        precision.act_bytes / (lay.tensor if lay.sequence_parallel else 1)
-    head, in_flight = 1 / lay.pipeline, (1 / lay.virtual_stages if lay.pipeline_recompute
-                                         else in_flight)  # its head tokens; kept: all in flight
-  # Each multi-token prediction module stores about a layer's activations and its logits for one
-  # microbatch (stages: the last runs them, each backward just after its recomputed forward).
-  activations = per_layer * (stage_layers(m, lay) * in_flight + m.mtp_depth) + stash
   # The logits' buffers, by the formula (ActivationTerms.logit), the vocab split over tensor.
-  logits = tokens * m.vocab_size / lay.tensor * terms.logit * (head + m.mtp_depth)
+  logit_bytes = tokens * m.vocab_size / lay.tensor * terms.logit
   temporaries = workspace_bytes
   if remat != "none":  # the layer being recomputed in the backward pass
     temporaries += layer_activation_bytes(terms, tokens, seq_len, lay, "none") - \
@@ -362,4 +362,29 @@ def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_
                                         precision.fp8_layers)
   if shards(lay)[0] > 1:  # ZeRO-3: the gathered layer and the prefetched next one
     temporaries += 2 * counts.layer_matrices * precision.param_bytes
-  return Memory(params, grads, optimizer, activations, logits, temporaries)
+  return MemoryParts(state, per_layer, stage_layers(m, lay), tokens, logit_bytes, temporaries)
+
+
+def memory(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
+           formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+           stages_recompute: bool = True, parts: MemoryParts | None = None) -> Memory:
+  """The per-device memory of training `model` under `layout` at `seq_len` tokens a sequence.
+  `stages_recompute`: meshtron's executor (its stash, the head split over the stages, one chunk
+  recomputed unless pipeline_recompute is off); False: all in flight (Megatron). `parts`:
+  memory_parts of a layout differing at most in its schedule, with these arguments."""
+  m, lay = model_spec(model), layout
+  p = parts or memory_parts(m, lay, seq_len, precision, formula=formula,
+                            workspace_bytes=workspace_bytes, stages_recompute=stages_recompute)
+  tokens = p.tokens
+  schedule = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
+  in_flight, stash, head = schedules.in_flight_microbatches(*schedule), 0.0, 1.0
+  if lay.pipeline > 1 and stages_recompute:  # + the embedding's output gradient per microbatch
+    stash = (schedules.executor_stash(*schedule) + lay.microbatches) * tokens * m.embed_dim * \
+        precision.act_bytes / (lay.tensor if lay.sequence_parallel else 1)
+    head, in_flight = 1 / lay.pipeline, (1 / lay.virtual_stages if lay.pipeline_recompute
+                                         else in_flight)  # its head tokens; kept: all in flight
+  # Each multi-token prediction module stores about a layer's activations and its logits for one
+  # microbatch (stages: the last runs them, each backward just after its recomputed forward).
+  activations = p.per_layer * (p.layers * in_flight + m.mtp_depth) + stash
+  logits = p.logit_bytes * (head + m.mtp_depth)
+  return Memory(*p.state, activations, logits, p.temporaries)

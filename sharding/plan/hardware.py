@@ -9,7 +9,8 @@ from sharding.layout import Layout
 from sharding.mesh import AXES
 from sharding.plan import context_parallel, memory_bound
 from sharding.plan.expert_rows import batched, exchange_group, grouped_rows_ratio
-from sharding.plan.estimate import Precision, memory, model_spec, param_counts, stage_layers
+from sharding.plan.estimate import (Precision, model_spec, param_counts, stage_layers,
+                                    state_bytes)
 from sharding.plan.profiles import (GIB, PROFILES, HardwareProfile,  # noqa: F401
                                     load_profile, profile_of_device)
 
@@ -286,22 +287,26 @@ class StepTime:
   memory_bound_s: float = 0.0  # of compute_s: elementwise kernels (memory_bound.py)
 
 
-def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
-              order: tuple = AXES, stages_recompute: bool = True,
-              lockstep: bool = True, blocking_sends: bool = False,
-              uniform_matmuls: bool = False) -> StepTime:
-  """Predicted time of one optimizer step: matmuls at meshtron's kernels' rates, every
-  collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
-  kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
-  optimizer update at HBM bandwidth. `stages_recompute`: as in hardware_flops_per_device (False
-  for trainers whose stages store activations, nanotron's in the playbook's sweep). `lockstep`:
-  the pipeline's ticks as meshtron's executor runs them (schedules.lockstep_ratio; False for
-  trainers whose stages run each operation as its inputs arrive, as nanotron's). `blocking_sends`:
-  a cross-node pipeline hop costs `pipeline_hop_s`, the playbook's nanotron runs' blocking send
-  per microbatch (their sweep); meshtron's executor sends by asynchronous collective permutes
-  inside its ticks, priced as any collective across nodes (bytes and latency), as the
-  compiled-program model prices them (sharding/xla/step_time.py). `uniform_matmuls`: every
-  matmul at the profile's matmul_efficiency (the playbook's nanotron runs, the CPU sweep)."""
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+  """A step's costs before the pipeline's bubble, the same under every schedule of a layout
+  (`plan` prices a layout's schedules from one): seconds of the stage's compute and of its
+  collectives per phase, and what step_time adds them up with."""
+
+  compute: float  # the most loaded stage's kernels
+  memory_bound: float  # of compute: elementwise kernels (memory_bound.py)
+  comm: dict  # per phase, before overlap
+  stage_exposed: float  # the stage's own collectives, not hidden
+  dp_exposed: float  # the data-parallel ones, not hidden
+  hidden: float  # overlapped (up to the compute's length)
+  backward_share: float  # of a tick's compute (pipelined; 0 without stages)
+  state: float  # bytes of params, grads and moments (the optimizer's update reads and writes)
+
+
+def stage_costs(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
+                order: tuple = AXES, stages_recompute: bool = True, blocking_sends: bool = False,
+                uniform_matmuls: bool = False) -> StageCosts:
+  """step_time's costs that do not depend on `layout.pipeline_schedule` (its arguments)."""
   m, lay = model_spec(model), layout
   peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
   # fp8 training's layer GEMMs on the fp8 tensor cores (the compiled-program model's f8 dots).
@@ -322,6 +327,7 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
   compute += passes * hw.layer_overhead_s
   members = placement(lay, hw.gpus_per_node, order)
   comm, stage_exposed, dp_exposed, hidden = {}, 0.0, 0.0, 0.0
+  overlaps = dict(hw.overlap)  # hw.overlap_of's, once (the planner prices ~10^5 layouts)
   for c in collectives(m, lay, seq_len, precision, stages_recompute):
     per_node = math.prod(members[a] for a in c.axes)
     inside = per_node == c.group
@@ -338,27 +344,57 @@ def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: Har
     else:
       t = c.wire_bytes / bw + c.ring_steps * latency
     comm[c.phase] = comm.get(c.phase, 0.0) + t
-    o = hw.overlap_of(c.phase)
+    o = overlaps[c.phase]
     hidden += o * t
     if c.phase in ("grad_sync", "param_sync", "zero3"):
       dp_exposed += (1 - o) * t
     else:
       stage_exposed += (1 - o) * t
-  stage = compute + stage_exposed
-  ticks = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
-  if lockstep and lay.pipeline > 1:  # meshtron's executor: a tick waits for its slowest stage
+  backward_share = 0.0
+  if lay.pipeline > 1:  # the lock-step ticks' forward and backward (step_time)
     f_linear, f_rest = flops_split(m, lay, seq_len, forward_only=True)
     forward = f_linear / linear_peak + f_rest / peak
     backward = linear / linear_peak + rest / peak - forward
-    bubble = stage * (schedules.lockstep_ratio(
-        *ticks, round(backward / (forward + backward), 3)) - 1)
+    backward_share = round(backward / (forward + backward), 3)
+  counts = param_counts(m, lay)  # the state's bytes, as `memory` counts them
+  state = sum(state_bytes(counts.shardable, counts.replicated, lay, precision, counts.experts,
+                          counts.tables))
+  return StageCosts(compute, memory_s, comm, stage_exposed, dp_exposed, hidden, backward_share,
+                    state)
+
+
+def step_time(model, layout: Layout, seq_len: int, precision: Precision, hw: HardwareProfile,
+              order: tuple = AXES, stages_recompute: bool = True,
+              lockstep: bool = True, blocking_sends: bool = False,
+              uniform_matmuls: bool = False, costs: StageCosts | None = None) -> StepTime:
+  """Predicted time of one optimizer step: matmuls at meshtron's kernels' rates, every
+  collective at link bandwidth (intra- or inter-node by placement) plus ring latency, overlap per
+  kind, the pipeline bubble of the schedule's tick table (schedules.bubble_ratio) and the
+  optimizer update at HBM bandwidth. `stages_recompute`: as in hardware_flops_per_device (False
+  for trainers whose stages store activations, nanotron's in the playbook's sweep). `lockstep`:
+  the pipeline's ticks as meshtron's executor runs them (schedules.lockstep_ratio; False for
+  trainers whose stages run each operation as its inputs arrive, as nanotron's). `blocking_sends`:
+  a cross-node pipeline hop costs `pipeline_hop_s`, the playbook's nanotron runs' blocking send
+  per microbatch (their sweep); meshtron's executor sends by asynchronous collective permutes
+  inside its ticks, priced as any collective across nodes (bytes and latency), as the
+  compiled-program model prices them (sharding/xla/step_time.py). `uniform_matmuls`: every
+  matmul at the profile's matmul_efficiency (the playbook's nanotron runs, the CPU sweep).
+  `costs`: stage_costs of a layout differing at most in its schedule, with these arguments."""
+  m, lay = model_spec(model), layout
+  peak = hw.peak_fp8_flops if precision.act_bytes == 1 else hw.peak_bf16_flops
+  c = costs or stage_costs(m, lay, seq_len, precision, hw, order, stages_recompute,
+                           blocking_sends, uniform_matmuls)
+  compute = c.compute
+  stage = compute + c.stage_exposed
+  ticks = (lay.pipeline_schedule, lay.pipeline, lay.microbatches, lay.virtual_stages)
+  if lockstep and lay.pipeline > 1:  # meshtron's executor: a tick waits for its slowest stage
+    bubble = stage * (schedules.lockstep_ratio(*ticks, c.backward_share) - 1)
   else:
     bubble = stage * schedules.bubble_ratio(*ticks)
-  mem = memory(m, lay, seq_len, precision, workspace_bytes=0)
-  optimizer = 2 * mem.state / hw.hbm_bandwidth  # read and write params, grads, moments
-  exposed = stage_exposed + dp_exposed + max(0.0, hidden - compute)
-  total = stage + bubble + dp_exposed + max(0.0, hidden - compute) + optimizer
+  optimizer = 2 * c.state / hw.hbm_bandwidth  # read and write params, grads, moments
+  exposed = c.stage_exposed + c.dp_exposed + max(0.0, c.hidden - compute)
+  total = stage + bubble + c.dp_exposed + max(0.0, c.hidden - compute) + optimizer
   tokens = lay.global_batch * seq_len
   model_flops = m.flops_per_token(seq_len) * tokens / lay.num_devices
-  return StepTime(total, compute, bubble, exposed, comm, tokens / total / lay.num_devices,
-                  model_flops / (total * peak), memory_s)
+  return StepTime(total, compute, bubble, exposed, dict(c.comm), tokens / total / lay.num_devices,
+                  model_flops / (total * peak), c.memory_bound)

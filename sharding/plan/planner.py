@@ -5,9 +5,10 @@ import dataclasses
 
 from sharding.layout import REMATS, Layout
 from sharding.mesh import AXES
-from sharding.pipeline import schedules
+from sharding.pipeline import schedules, stage_split
 from sharding.plan import context_parallel, hardware
-from sharding.plan.estimate import GB, Memory, ModelSpec, Precision, memory, model_spec
+from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, memory_parts,
+                                    model_spec)
 
 # The activation formula `plan` and `memory` judge the fit by: the compiled programs' own
 # (sharding/plan/activations.py), 1.00-1.01x the 8.86B programs' peaks where Korthikanti et
@@ -113,6 +114,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   rejected, ranked, considered = [], [], 0
   experts = [e for e in divisors(num_gpus) if m.moe and m.moe.num_experts % e == 0] or [1]
   ranks = mla_ranks(m)
+  dense = m.moe.dense_layers if m.moe else m.num_layers
   for tensor in divisors(num_gpus):
     if tensor > hw.gpus_per_node:
       rejected.append((f"tensor={tensor}", f"tensor parallelism across nodes ({tensor} >"
@@ -147,6 +149,8 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
               continue
             per_replica = batch // shards
             for mbs in (b for b in divisors(per_replica) if b <= max_mbs):
+              # A layout's schedules share its memory terms and costs but for the bubble's.
+              parts, costs = {}, {}
               for extra in _switches(m, tensor, pipeline):
                 lay = Layout(data=data, fsdp=fsdp, zero_stage=zero, micro_batch=mbs,
                              microbatches=per_replica // mbs, **model_split, **extra)
@@ -157,14 +161,24 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                     lay.pipeline_schedule, pipeline, lay.microbatches, lay.virtual_stages) is None:
                   rejected.append((lay.string(), _schedule_refusal(lay)))
                   continue
+                if not lay.pipeline_recompute and not stage_split.keeps_residuals(
+                    lay.stage_split(m.num_layers), dense, m.mtp_depth):
+                  rejected.append((lay.string(), stage_split.KEPT_REFUSAL))
+                  continue
                 if lay.sequence_parallel and seq_len % (
                     context_parallel.sequence_chunks(here, context) * tensor):
                   continue
-                mem = memory(here, lay, seq_len, precision, formula=formula)
+                shared = tuple(v for k, v in extra.items() if k != "pipeline_schedule")
+                if shared not in parts:
+                  parts[shared] = memory_parts(here, lay, seq_len, precision, formula=formula)
+                mem = memory(here, lay, seq_len, precision, formula=formula, parts=parts[shared])
                 if mem.total > hw.memory_bytes:
                   rejected.append((lay.string(), _too_big(mem, hw)))
                   continue
-                time = hardware.step_time(here, lay, seq_len, precision, hw, order)
+                if shared not in costs:
+                  costs[shared] = hardware.stage_costs(here, lay, seq_len, precision, hw, order)
+                time = hardware.step_time(here, lay, seq_len, precision, hw, order,
+                                          costs=costs[shared])
                 ranked.append(Candidate(lay, mem, time, True))
   ranked.sort(key=lambda c: (-c.time.tokens_per_s_per_gpu, c.memory.total))
   return Plan(ranked, rejected, considered)
@@ -186,11 +200,15 @@ def _switches(model, tensor: int, pipeline: int):
   schedules = [("1f1b", 1)] + ([("paired_1f1b", 1)] if pipeline > 1 else [])
   if pipeline > 1 and model.num_layers % (2 * pipeline) == 0:
     schedules += [("interleaved_1f1b", 2), ("paired_1f1b", 2)]
+  # pipeline_recompute=False: the stages keep their chunks' residuals (sharding.pipeline.
+  # kept_residuals) instead of rerunning each chunk's forward, memory for time.
+  recomputes = (True, False) if pipeline > 1 else (True,)
   for remat in REMATS:
     for sp in ((False, True) if tensor > 1 else (False,)):
       for schedule, vpp in schedules:
-        yield dict(remat=remat, sequence_parallel=sp, pipeline_schedule=schedule,
-                   virtual_stages=vpp)
+        for recompute in recomputes:
+          yield dict(remat=remat, sequence_parallel=sp, pipeline_schedule=schedule,
+                     virtual_stages=vpp, pipeline_recompute=recompute)
 
 
 def _schedule_refusal(lay: Layout) -> str:
