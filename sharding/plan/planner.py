@@ -14,6 +14,12 @@ from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, me
 # (sharding/plan/activations.py), 1.00-1.01x the 8.86B programs' peaks where Korthikanti et
 # al.'s `llama` reads 1.07-1.25x (benchmarks/results/compile_vs_estimate.jsonl).
 PLANNER_FORMULA = "compiled"
+# Kept residuals under remat=none: their programs peak above the memory estimate (three 70B
+# layouts on 64 H100s compiled to 86-99 GiB where it read 62-65; XLA recomputes GEMMs to fit,
+# 0.59-0.72x the predicted speed; docs/planning.md), so `plan` does not rank them.
+KEPT_UNPRICED = ("kept residuals under remat=none: their compiled programs peak above meshtron's"
+                 " memory estimate and run slower than it predicts; plan ranks them under"
+                 " remat=selective or full (or with pipeline_recompute=1)")
 
 
 def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[str]:
@@ -164,6 +170,9 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                 if not lay.pipeline_recompute and not stage_split.keeps_residuals(
                     lay.stage_split(m.num_layers), dense, m.mtp_depth):
                   rejected.append((lay.string(), stage_split.KEPT_REFUSAL))
+                  continue
+                if not lay.pipeline_recompute and lay.remat == "none":
+                  rejected.append((lay.string(), KEPT_UNPRICED))
                   continue
                 if lay.sequence_parallel and seq_len % (
                     context_parallel.sequence_chunks(here, context) * tensor):
