@@ -342,6 +342,7 @@ class MemoryParts:
 def memory_parts(model, layout: Layout, seq_len: int, precision: Precision = PLAYBOOK_MIXED, *,
                  formula: str = "llama", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
                  stages_recompute: bool = True) -> MemoryParts:
+  """memory's terms but the schedule's (its arguments)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
   state = state_bytes(counts.shardable, counts.replicated, lay, precision, counts.experts,
