@@ -119,18 +119,25 @@ def constrain_spec(x: jax.Array, resolved: PartitionSpec) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, resolved))
 
 
-def constrain_cotangent(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+def constrain_cotangent(x: jax.Array, names: Sequence[str | None],
+                        role: str = "activation") -> jax.Array:
   """`x` unchanged; in the backward pass its cotangent constrained by logical names (a no-op
   outside `use_rules`). Where two dots read one gradient, one constraint makes XLA move it
-  once for both instead of once per dot."""
+  once for both instead of once per dot. `role="params"`: a weight's gradient, sharded as the
+  weight is stored."""
   if active() is None:
     return x
+
+  def constrained(g):
+    if role == "activation":
+      return constrain(g, names)
+    return constrain_spec(g, spec(names, g.shape, "a weight's gradient", role))
 
   @jax.custom_vjp
   def identity(y):
     return y
 
-  identity.defvjp(lambda y: (y, None), lambda _, g: (constrain(g, names),))
+  identity.defvjp(lambda y: (y, None), lambda _, g: (constrained(g),))
   return identity(x)
 
 
