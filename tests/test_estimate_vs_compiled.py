@@ -118,9 +118,7 @@ def stacked_residual_bytes(cfg, target: str = "h100x1") -> int:
              and "transpose" not in op_names.get(ins.name, "transpose"))
 
 
-# [none] in the slow set (76 s; the default suite's time): [selective] checks the same program
-# pairs' differences.
-@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "selective"])
+@pytest.mark.parametrize("remat", ["none", "selective"])
 def test_a_dropless_moe_layer_keeps_what_the_estimate_counts_per_routed_row_and_expert(remat):
   """The estimate's dropless MoE activations (sharding/plan/activations.py) against the compiled
   layer's, on the tiny MoE (D=128, F=192, float32) compiled for one H100. Without remat, one more

@@ -6,6 +6,7 @@ and stacked the chunk's gradients whole in float32 before slicing them to the sh
 849). Deviceless h100x4: XLA:CPU lowers a reduce-scatter as an all-reduce."""
 
 import dataclasses
+import math
 
 from configs import llama
 from sharding import MeshConfig
@@ -35,7 +36,7 @@ def test_stage_weight_gradients_are_reduced_to_their_fsdp_shards(tmp_path):
   whole = EMBED * MLP
   # In the tick loop (count > 1: per layer and tick); the step's last sums (the tables', the
   # norm's) are once.
-  reduced = [c for c in ops if c.kind == "all-reduce" and _elements(c.shape) >= whole
+  reduced = [c for c in ops if c.kind == "all-reduce" and math.prod(c.shape) >= whole
              and c.count > 1]
   assert not reduced, [(c.dtype, c.shape) for c in reduced]
   assert f"f32[5,{EMBED},{MLP}]" not in text and f"f32[5,{MLP},{EMBED}]" not in text
@@ -44,10 +45,3 @@ def test_stage_weight_gradients_are_reduced_to_their_fsdp_shards(tmp_path):
   scattered = [c for c in ops if c.kind == "reduce-scatter" and c.count > 1
                and c.bytes >= EMBED * 8 * 128 * 2]
   assert scattered, [(c.kind, c.shape, c.count) for c in ops]
-
-
-def _elements(shape) -> int:
-  n = 1
-  for d in shape:
-    n *= d
-  return n
