@@ -65,7 +65,7 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
       print(f"compiling the best {min(compile_top, len(result.ranked))} layouts for"
             f" {hw.name}x{gpus} without a GPU, {plan_compile.WORKERS} at a time ...", flush=True)
     results, tables = plan_compile.run(model, result.ranked[:compile_top], seq, hw.name, gpus,
-                                    quiet=as_json)
+                                       quiet=as_json, precision=chosen)
     compiled_best = plan_compile.reranked(results)
     print(json.dumps({"analytic": [c.summary() for c in best],
                       "compiled": [r.summary() for r in results]}) if as_json else tables)
@@ -75,7 +75,7 @@ def run_plan(*, model: str, gpu: str, gpus: int, nodes: int, gpus_per_node: int,
   elif as_json:
     print(json.dumps([c.summary() for c in best]))
   chosen_layout = compiled_best[0].candidate.layout if compile_top else best[0].layout
-  if out and write_config(out, model, chosen_layout, seq) and not as_json:
+  if out and write_config(out, model, chosen_layout, seq, chosen) and not as_json:
     print(f"wrote {out}: meshtron train --config={out}")
   elif not out and not as_json:
     print("--out=best.py writes the best layout as a config file for meshtron train")

@@ -3,8 +3,9 @@ without a GPU, two at a time, then ranked again by the step predicted from each 
 (sharding/xla/step_time.py) among those whose compiled peak memory fits a GPU.
 
 The analytic plan ranks every layout in milliseconds with the playbook's formulas; a compile
-takes seconds to a minute but is the program meshtron would run (trainer dtypes: float32
-parameters, bf16 compute; attention "auto", a flash kernel).
+takes seconds to a minute but is the program meshtron would run: in the dtypes the plan priced
+(cli/presets.precision_settings: the playbook's bf16 parameters with float32 master copies),
+attention "auto" (a flash kernel).
 """
 
 import concurrent.futures
@@ -57,14 +58,14 @@ def gpu_target(gpu: str, gpus: int) -> compiled.GpuTarget:
 
 
 def compile_best(model: str, candidates: list, seq: int, target: compiled.GpuTarget,
-                 progress=None) -> list[CompiledLayout]:
-  """Compiles each candidate's train step for `target`, WORKERS at a time; a layout the trainer
-  refuses or XLA fails on keeps its one-line reason."""
+                 precision=None, progress=None) -> list[CompiledLayout]:
+  """Compiles each candidate's train step for `target` storing what `precision` prices, WORKERS
+  at a time; a layout the trainer refuses or XLA fails on keeps its one-line reason."""
   results = [CompiledLayout(i, c) for i, c in enumerate(candidates, 1)]
 
   def one(result: CompiledLayout) -> CompiledLayout:
     try:
-      cfg = train_config(model, result.candidate.layout, seq)
+      cfg = train_config(model, result.candidate.layout, seq, precision)
       cfg.layout(target.num_devices)  # the trainer's own checks, before spending a compile
       result.report = compile_for_gpus(cfg, target, timeout=TIMEOUT_S)
       result.fits = compiled.fits(result.report, target.device_memory_bytes)[0]
@@ -86,14 +87,14 @@ def reranked(results: list[CompiledLayout]) -> list[CompiledLayout]:
 
 
 def format_tables(results: list[CompiledLayout], target: compiled.GpuTarget,
-                  seconds: float) -> str:
+                  seconds: float, precision=None) -> str:
   """The compiled ranking, then the layouts dropped and why."""
   gib = target.device_memory_bytes / 2**30
   ranked = reranked(results)
+  stores = precision.name if precision else "the preset's dtypes"
   lines = [f"compiled for {target.name} without a GPU: {len(results)} layouts in {seconds:.0f} s,"
            f" {len(ranked)} fit in {gib:.0f} GiB; ranked by the step predicted from each program",
-           "  (meshtron's program: float32 parameters and gradients, bf16 compute; --precision="
-           "trainer ranks analytically in the same dtypes)",
+           f"  (each program stores what the plan priced: {stores})",
            f"{'#':>3} {'was':>4}  {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'exposed':>8}"
            f" {'GiB':>6}  layout"]
   for i, r in enumerate(ranked, 1):
@@ -112,8 +113,10 @@ def format_tables(results: list[CompiledLayout], target: compiled.GpuTarget,
   return "\n".join(lines)
 
 
-def run(model: str, candidates: list, seq: int, gpu: str, gpus: int, quiet: bool):
-  """(results, printed tables) of compiling the best candidates."""
+def run(model: str, candidates: list, seq: int, gpu: str, gpus: int, quiet: bool,
+        precision=None):
+  """(results, printed tables) of compiling the best candidates, storing what `precision`
+  prices."""
   target = gpu_target(gpu, gpus)
   start = time.perf_counter()
 
@@ -122,5 +125,5 @@ def run(model: str, candidates: list, seq: int, gpu: str, gpus: int, quiet: bool
       verdict = "compiled" if result.report else f"failed: {result.error}"
       print(f"  [{done}/{total}] {result.candidate.layout.string()}: {verdict}", flush=True)
 
-  results = compile_best(model, candidates, seq, target, progress)
-  return results, format_tables(results, target, time.perf_counter() - start)
+  results = compile_best(model, candidates, seq, target, precision, progress)
+  return results, format_tables(results, target, time.perf_counter() - start, precision)
