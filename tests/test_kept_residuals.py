@@ -11,7 +11,8 @@ from configs import llama
 from sharding import Layout, MeshConfig
 from sharding.layout_text import parse
 from sharding.mesh import LayoutError
-from sharding.plan import estimate, hardware
+from sharding.pipeline import stage_split
+from sharding.plan import estimate, hardware, planner
 from tests import parallel_harness as harness
 from tests.test_moe_parallel import MOE
 from tests.test_parallel import assert_same_training
@@ -111,11 +112,18 @@ def test_uneven_stages_keep_their_residuals_and_train_like_one_device(references
 def test_kept_residuals_refuse_what_they_cannot_keep(model, moe):
   """One line before anything is built: row patterns that do not nest (1 dense + 3 MoE layers
   on 2 stages: the first runs the dense and a MoE layer, the second two MoE layers; no position
-  runs them all) or a last stage's extra modules are not kept."""
+  runs them all) or a last stage's extra modules are not kept; nor does `plan` rank them."""
   mesh = kept(2, "1f1b", data=2, expert=2) if moe else kept(2, "1f1b")
   cfg = harness.config(mesh, microbatches=8, model=model, moe=moe)
   with pytest.raises(LayoutError, match="pipeline_recompute=false keeps one program"):
     Trainer(cfg)
+  # `plan` refuses them with the trainer's sentence and ranks their recomputing siblings.
+  result = planner.plan(cfg.model, 8, 64, 8 * 64 * 8, estimate.PLAYBOOK_MIXED,
+                        hardware.PROFILES["h100"])
+  refused = [what for what, why in result.rejected if why == stage_split.KEPT_REFUSAL]
+  assert refused and all("pipeline_recompute=0" in what for what in refused)
+  staged = [c.layout for c in result.ranked if c.layout.pipeline > 1]
+  assert staged and all(lay.pipeline_recompute for lay in staged)
 
 
 def test_memory_estimate_of_kept_residuals():

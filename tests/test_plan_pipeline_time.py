@@ -84,7 +84,9 @@ def test_an_unrolled_chunk_is_priced_without_its_layers_recomputation():
 
 def test_plan_lists_an_unrolled_chunks_program_once():
   """Where remat selective or full would run as none (an unrolled chunk), `plan` lists the
-  layout once, as remat=none, and still lists each remat where a stage's layers are scanned."""
+  layout once, as remat=none, and still lists each remat where a stage's layers are scanned;
+  kept residuals (pipeline_recompute=false: no forward rerun to stand in) under selective and
+  full remat, their remat=none programs rejected (planner.KEPT_UNPRICED)."""
   from sharding.plan import planner
   hw = hardware.PROFILES["h100"]
   for layers, remats in ((8, {"none"}), (64, {"none", "selective", "full"})):
@@ -92,7 +94,12 @@ def test_plan_lists_an_unrolled_chunks_program_once():
     result = planner.plan(model, 8, SEQ, 64 * SEQ, PLAYBOOK_MIXED, hw)
     staged = [c.layout for c in result.ranked if c.layout.pipeline == 2
               and c.layout.virtual_stages == 1]
-    assert {lay.remat for lay in staged} == remats, layers
+    rerun = {lay.remat for lay in staged if lay.pipeline_recompute}
+    kept = {lay.remat for lay in staged if not lay.pipeline_recompute}
+    assert rerun == remats, layers
+    assert kept == {"selective", "full"}, layers
+    assert any(why == planner.KEPT_UNPRICED and "remat=none" in what
+               for what, why in result.rejected), layers
 
 
 def test_the_executors_recomputed_forward_sends_its_tensor_collectives_again():

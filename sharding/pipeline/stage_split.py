@@ -139,12 +139,13 @@ def nested(patterns: list[dict]) -> bool:
   return any(all(np.array_equal(p[k], union[k]) for k in union) for p in patterns)
 
 
-# Why pipeline_recompute=false refuses a layout (sharding.resolution raises it).
+# Why pipeline_recompute=false refuses a layout (sharding.resolution and `plan` both say it).
 KEPT_REFUSAL = ("mesh.pipeline_recompute=false keeps one program's residuals per chunk: it needs"
                 " stages that split one layer stack (a MoE model's dense layers evenly) and no"
                 " multi-token prediction; set pipeline_recompute=true")
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks it for each kept layout
 def keeps_residuals(counts: tuple[int, ...], dense_layers: int, mtp_depth: int) -> bool:
   """Whether the kept-residuals executor (pipeline_recompute=false) runs the split `counts` of
   a model with `dense_layers` leading dense layers: its positions' row patterns nest (one

@@ -5,7 +5,7 @@ import dataclasses
 
 from sharding.layout import REMATS, Layout
 from sharding.mesh import AXES
-from sharding.pipeline import schedules
+from sharding.pipeline import schedules, stage_split
 from sharding.plan import context_parallel, hardware
 from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, memory_parts,
                                     model_spec)
@@ -14,6 +14,13 @@ from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, me
 # (sharding/plan/activations.py), 1.00-1.01x the 8.86B programs' peaks where Korthikanti et
 # al.'s `llama` reads 1.07-1.25x (benchmarks/results/compile_vs_estimate.jsonl).
 PLANNER_FORMULA = "compiled"
+# Kept residuals under remat=none: their programs peak above the memory estimate (three 70B
+# layouts on 64 H100s, compiled in the playbook's precision, at 78.0, 52.5 and 60.5 GiB where it
+# read 67.3, 43.3 and 46.5; near the GPU's memory XLA's scheduler then runs the FSDP gathers
+# unoverlapped: 0.73-0.91x the predicted speed; docs/planning.md), so `plan` does not rank them.
+KEPT_UNPRICED = ("kept residuals under remat=none: their compiled programs peak above meshtron's"
+                 " memory estimate and run slower than it predicts; plan ranks them under"
+                 " remat=selective or full (or with pipeline_recompute=1)")
 
 
 def divisibility_errors(model: ModelSpec, layout: Layout, seq_len: int) -> list[str]:
@@ -114,6 +121,7 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
   rejected, ranked, considered = [], [], 0
   experts = [e for e in divisors(num_gpus) if m.moe and m.moe.num_experts % e == 0] or [1]
   ranks = mla_ranks(m)
+  dense = m.moe.dense_layers if m.moe else m.num_layers
   for tensor in divisors(num_gpus):
     if tensor > hw.gpus_per_node:
       rejected.append((f"tensor={tensor}", f"tensor parallelism across nodes ({tensor} >"
@@ -160,6 +168,13 @@ def plan(model, num_gpus: int, seq_len: int, global_batch_tokens: int, precision
                     lay.pipeline_schedule, pipeline, lay.microbatches, lay.virtual_stages) is None:
                   rejected.append((lay.string(), _schedule_refusal(lay)))
                   continue
+                if not lay.pipeline_recompute and not stage_split.keeps_residuals(
+                    lay.stage_split(m.num_layers), dense, m.mtp_depth):
+                  rejected.append((lay.string(), stage_split.KEPT_REFUSAL))
+                  continue
+                if not lay.pipeline_recompute and lay.remat == "none":
+                  rejected.append((lay.string(), KEPT_UNPRICED))
+                  continue
                 if lay.sequence_parallel and seq_len % (
                     context_parallel.sequence_chunks(here, context) * tensor):
                   continue
@@ -195,13 +210,15 @@ def _switches(model, tensor: int, pipeline: int):
   schedules = [("1f1b", 1)] + ([("paired_1f1b", 1)] if pipeline > 1 else [])
   if pipeline > 1 and model.num_layers % (2 * pipeline) == 0:
     schedules += [("interleaved_1f1b", 2), ("paired_1f1b", 2)]
-  # Not pipeline_recompute=False (kept residuals): plan's estimate reads their programs' speed
-  # 1.4-2.2x high and memory low outside the anchors' rows (docs/planning.md, 38th session).
+  # pipeline_recompute=False: the stages keep their chunks' residuals (sharding.pipeline.
+  # kept_residuals) instead of rerunning each chunk's forward, memory for time.
+  recomputes = (True, False) if pipeline > 1 else (True,)
   for remat in REMATS:
     for sp in ((False, True) if tensor > 1 else (False,)):
       for schedule, vpp in schedules:
-        yield dict(remat=remat, sequence_parallel=sp, pipeline_schedule=schedule,
-                   virtual_stages=vpp)
+        for recompute in recomputes:
+          yield dict(remat=remat, sequence_parallel=sp, pipeline_schedule=schedule,
+                     virtual_stages=vpp, pipeline_recompute=recompute)
 
 
 def _schedule_refusal(lay: Layout) -> str:
