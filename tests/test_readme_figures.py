@@ -102,7 +102,7 @@ def test_the_planner_times_are_the_committed_measurement():
   assert f"--compile_top=16` took {c['wall_s']:.0f} s" in text
   assert c["refused"] + c["too_big"] + c["fit"] == c["layouts"] == 16
   assert (f"  - {c['refused']} are refused before compiling.\n"
-          f"  - {c['too_big']} compile past 79 GiB in meshtron's float32-state program") in text
+          f"  - {c['too_big']} compile past 79 GiB in the playbook's precision") in text
   assert f"\n  - {c['fit']} fit. The best is fsdp=32×context=2 with full remat (mbs 8)" in text
   assert c["best_layout"].startswith("data=1,fsdp=32,context=2,zero=0,mbs=8,ga=1,") and (
       "remat=full,sp=0" in c["best_layout"])
