@@ -345,6 +345,11 @@ def memory_parts(model, layout: Layout, seq_len: int, precision: Precision = PLA
   """memory's terms but the schedule's (its arguments)."""
   m, lay = model_spec(model), layout
   counts = param_counts(m, lay)
+  if lay.pipeline > 1 and not m.tie_embeddings:
+    # meshtron's stages each store the embedding and the head, replicated over `pipeline` (the
+    # head runs on every stage, on its share of the tokens): param_counts counts one a stage, as
+    # Megatron's end stages hold them (the collectives' analytic minimum reads it so).
+    counts = dataclasses.replace(counts, tables=2 * counts.tables)
   state = state_bytes(counts.shardable, counts.replicated, lay, precision, counts.experts,
                       counts.tables)
   kv_heads = context_parallel.attended_kv_heads(m, lay) * lay.tensor  # Ulysses: + replicas
