@@ -64,9 +64,12 @@ LAYOUT = flags.DEFINE_string("layout", "", "memory: e.g. data=4,tensor=2,pipelin
                              "ga=16,remat=selective,sp=1,schedule=1f1b (also fsdp=, context=,"
                              " expert=, vpp=; aliases dp=, tp=, pp=, cp=, ep=)")
 PRECISION = flags.DEFINE_string("precision", "playbook", "memory/plan: playbook (bf16 + fp32"
-                                " master, Adam fp32), playbook_fp32_accum, playbook_fp8 (its"
-                                " layer GEMMs fp8, as Megatron's FP8 recipes), fp32, or trainer"
-                                " (what trainer/ stores today: fp32 params, grads and moments)")
+                                " master, Adam fp32, gradients accumulated in bf16),"
+                                " playbook_fp32_accum (in fp32, as Megatron accumulates bf16"
+                                " runs), playbook_fp8 (its layer GEMMs fp8, as Megatron's FP8"
+                                " recipes), fp32, or trainer (what trainer/ stores by default:"
+                                " fp32 params, grads and moments); plan --compile_top and --out"
+                                " build it")
 ACTIVATIONS = flags.DEFINE_enum(
     "activations", "compiled", ["compiled", "llama"], "memory/plan: the activation formula."
     " compiled: what meshtron's GPU programs keep (docs/planning.md, Analytic and instant);"
