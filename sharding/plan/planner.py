@@ -15,9 +15,10 @@ from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, me
 # al.'s `llama` reads 1.07-1.25x (benchmarks/results/compile_vs_estimate.jsonl).
 PLANNER_FORMULA = "compiled"
 # Kept residuals under remat=none: their programs peak above the memory estimate (three 70B
-# layouts on 64 H100s, compiled in the playbook's precision, at 78.0, 52.5 and 60.5 GiB where it
-# read 67.3, 43.3 and 46.5; near the GPU's memory XLA's scheduler then runs the FSDP gathers
-# unoverlapped: 0.73-0.91x the predicted speed; docs/planning.md), so `plan` does not rank them.
+# layouts on 64 H100s, compiled in the playbook's precision, at 74.9, 52.5 and 60.5 GiB where it
+# reads 69.2, 45.2 and 48.9, the last two measured before the stage regions kept their output
+# once; 0.86-0.91x the predicted speed) and Qwen3 EP16's MoE stages ran at 0.45x
+# (docs/planning.md), so `plan` does not rank them.
 KEPT_UNPRICED = ("kept residuals under remat=none: their compiled programs peak above meshtron's"
                  " memory estimate and run slower than it predicts; plan ranks them under"
                  " remat=selective or full (or with pipeline_recompute=1)")
