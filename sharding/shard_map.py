@@ -155,13 +155,13 @@ def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
     call, primals = of(args)
     out, pullback = jax.vjp(call, *primals)
     leaves, found["treedef"] = jax.tree.flatten(pullback)
-    # Each leaf's source: an argument (its index), the output (-2 - its leaf's index: the flash
-    # kernel's output is its own residual, kept once, as the output), or kept (-1).
     outs = jax.tree.leaves(out)
-    found["sources"] = [next((j for j, a in enumerate(args) if leaf is a), None) for leaf in leaves]
-    found["sources"] = [j if j is not None else next(
-        (-2 - k for k, o in enumerate(outs) if leaf is o), -1)
-        for leaf, j in zip(leaves, found["sources"])]
+
+    def source(leaf):  # an argument (its index), an output leaf (-2 - its index), or kept (-1):
+      # the flash kernel's output is a residual of its own pullback, kept once, as the output
+      j = next((j for j, a in enumerate(args) if leaf is a), None)
+      return j if j is not None else next((-2 - k for k, o in enumerate(outs) if leaf is o), -1)
+    found["sources"] = [source(leaf) for leaf in leaves]
     kept = [leaf for leaf, j in zip(leaves, found["sources"]) if j == -1]
     # Each kept leaf leaves split over the axes it varies over (one slice per device of those),
     # so that the backward's region sees it typed as the forward's did; unchecked, over all.
@@ -187,7 +187,7 @@ def stage_shard_map(fn: Callable, mesh, in_specs, out_spec, check_vma: bool, *,
       out, kept = checkpoint_name((out, kept), STAGE_REGION)
     # The output is a residual only where the pullback reads it (a copy of it kept as well was
     # stored twice: in a kept-residual stage's slots, 3.75 GiB of the 70B PP8 program's).
-    return out, (args, kept, out if min(found["sources"], default=0) <= -2 else None)
+    return out, (args, kept, out if any(j <= -2 for j in found["sources"]) else None)
 
   def run_backward(residuals, g):
     args, kept, out = residuals
