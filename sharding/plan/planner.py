@@ -14,11 +14,10 @@ from sharding.plan.estimate import (GB, Memory, ModelSpec, Precision, memory, me
 # (sharding/plan/activations.py), 1.00-1.01x the 8.86B programs' peaks where Korthikanti et
 # al.'s `llama` reads 1.07-1.25x (benchmarks/results/compile_vs_estimate.jsonl).
 PLANNER_FORMULA = "compiled"
-# Kept residuals under remat=none: their programs peak above the memory estimate (three 70B
-# layouts on 64 H100s, compiled in the playbook's precision, at 74.9, 52.5 and 60.5 GiB where it
-# reads 69.2, 45.2 and 48.9, the last two measured before the stage regions kept their output
-# once; 0.86-0.91x the predicted speed) and Qwen3 EP16's MoE stages ran at 0.45x
-# (docs/planning.md), so `plan` does not rank them.
+# Kept residuals under remat=none: Qwen3 EP16's kept MoE stages (pipeline=4 x fsdp=2 x tensor=2)
+# compile to 0.49x the predicted speed, and three dense 70B layouts on 64 H100s peak 5-10 GiB
+# above the memory estimate (74.9, 50.5 and 58.8 GiB where it reads 69.2, 45.2 and 48.9; at
+# 0.87-0.92x the predicted speed; docs/planning.md), so `plan` does not rank them.
 KEPT_UNPRICED = ("kept residuals under remat=none: their compiled programs peak above meshtron's"
                  " memory estimate and run slower than it predicts; plan ranks them under"
                  " remat=selective or full (or with pipeline_recompute=1)")
